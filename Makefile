@@ -1,0 +1,45 @@
+# Every target creates or reuses the virtual environment in .venv; the second run skips the install.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The registry's CUDA build of torch runs on the CPU too, and it is the one torchvision imports with.
+TORCH_SPEC ?= torch==2.14.0 torchvision==0.29.2
+STAMP := $(VENV)/.installed
+NBDEV_FLAGS ?=
+NB_WORKERS ?= 2
+
+.PHONY: demo test test-quick lab export clean-venv browser-deps
+
+$(STAMP): pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+## Train a small CNN on handwritten digits and write a picture of the training.
+demo: $(STAMP)
+	$(BIN)/teachloop-demo
+
+## All tests: pytest (browser tests included), every notebook top to bottom, and the export check.
+test: $(STAMP) browser-deps
+	$(BIN)/python -m pytest
+	$(BIN)/nbdev-test --n-workers $(NB_WORKERS) $(if $(NBDEV_FLAGS),--flags "$(NBDEV_FLAGS)")
+
+## The quick subset while working: no slow or browser tests, no notebooks.
+test-quick: $(STAMP)
+	$(BIN)/python -m pytest -m "not slow and not browser"
+
+## JupyterLab on the course notebooks.
+lab: $(STAMP)
+	$(BIN)/jupyter lab nbs/
+
+export: $(STAMP)
+	$(BIN)/nbdev-export
+
+## Chromium for the browser tests (Debian package; Playwright cannot download browsers here).
+browser-deps:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && (apt-get update -qq && apt-get install -y -qq chromium >/dev/null) || echo "chromium not installed: browser tests will be skipped"; }
+
+clean-venv:
+	rm -rf $(VENV)

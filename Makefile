@@ -23,12 +23,12 @@ demo: $(STAMP)
 
 ## All tests: pytest (browser tests included), every notebook top to bottom, and the export check.
 test: $(STAMP) browser-deps
-	$(BIN)/python -m pytest
-	$(BIN)/nbdev-test --n-workers $(NB_WORKERS) $(if $(NBDEV_FLAGS),--flags "$(NBDEV_FLAGS)")
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+	OMP_NUM_THREADS=1 $(BIN)/nbdev-test --n-workers $(NB_WORKERS) $(if $(NBDEV_FLAGS),--flags "$(NBDEV_FLAGS)")
 
 ## The quick subset while working: no slow or browser tests, no notebooks.
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -m "not slow and not browser"
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow and not browser"
 
 ## JupyterLab on the course notebooks.
 lab: $(STAMP)

@@ -5,6 +5,7 @@
 # %% ../nbs/01_optimizer.ipynb #c002
 from __future__ import annotations
 
+import importlib.util
 import math
 import numbers
 from functools import partial
@@ -12,9 +13,9 @@ from functools import partial
 import torch
 
 # %% auto #0
-__all__ = ['check_hyper', 'spread_hyper', 'Optimizer', 'sgd_step', 'weight_decay', 'l2_reg', 'average_grad', 'momentum_step',
-           'average_sqr_grad', 'rms_prop_step', 'step_stat', 'debias', 'adam_step', 'SGD', 'RMSProp', 'Adam',
-           'run_steps']
+__all__ = ['check_hyper', 'add_hyper_rule', 'spread_hyper', 'check_state_dict_fits', 'find_fast_step', 'Optimizer', 'sgd_step',
+           'weight_decay', 'l2_reg', 'average_grad', 'momentum_step', 'average_sqr_grad', 'rms_prop_step', 'step_stat',
+           'debias', 'adam_step', 'SGD', 'RMSProp', 'Adam', 'run_steps']
 
 # %% ../nbs/01_optimizer.ipynb #c004
 _hyper_rules = {
@@ -32,6 +33,10 @@ def check_hyper(name, value):
         raise TypeError(f"hyper-parameter {name!r} must be a real number, got {value!r} of type {type(value).__name__}")
     ok, rule = _hyper_rules[name]
     if not ok(value): raise ValueError(f"hyper-parameter {name!r} {rule}, got {value}")
+
+def add_hyper_rule(name, check, rule):
+    "Check hyper-parameter `name` with `check(value)` from now on, explaining a refusal with `rule`."
+    _hyper_rules[name] = (check, rule)
 
 # %% ../nbs/01_optimizer.ipynb #c007
 def spread_hyper(value, n_groups):
@@ -76,15 +81,50 @@ def _check_no_duplicates(groups):
                                  "each parameter must appear in exactly one group")
             seen.add(id(p))
 
-# %% ../nbs/01_optimizer.ipynb #c012
+# %% ../nbs/01_optimizer.ipynb #c013
+def check_state_dict_fits(opt, state_dict):
+    "Raise a `ValueError` saying why `state_dict` cannot be loaded into the optimizer `opt`."
+    ours, theirs = [_callback_name(cb) for cb in opt.cbs], state_dict.get('callbacks')
+    if theirs is not None and list(theirs) != ours:
+        raise ValueError(f"this state was saved by an optimizer running [{', '.join(theirs)}], this one runs "
+                         f"[{', '.join(ours)}]; load it into an optimizer built the same way")
+    if 'state' not in state_dict or 'param_groups' not in state_dict:
+        raise ValueError("not an optimizer state: a state_dict has 'state' and 'param_groups'")
+    saved_groups = state_dict['param_groups']
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"the state has {len(saved_groups)} parameter groups, this optimizer {len(opt.param_groups)}")
+    for i, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+        _check_group_fits(i, saved, group, opt.defaults, state_dict['state'])
+
+def _check_group_fits(i, saved, group, defaults, saved_state):
+    if len(saved['params']) != len(group['params']):
+        raise ValueError(f"group {i} of the state has {len(saved['params'])} parameters, this optimizer's "
+                         f"{len(group['params'])}")
+    missing = sorted(set(defaults) - set(saved))
+    if missing: raise ValueError(f"group {i} of the state lacks hyper-parameters {missing}: another optimizer saved it")
+    for index, p in zip(saved['params'], group['params']):
+        for name, value in saved_state.get(index, {}).items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape != p.shape:
+                raise ValueError(f"the saved {name!r} of parameter {index} has shape {tuple(value.shape)} but the "
+                                 f"parameter has shape {tuple(p.shape)}: the state was saved for another model")
+
+# %% ../nbs/01_optimizer.ipynb #c015
+def find_fast_step(cbs):
+    "The multi-tensor step from `teachloop.fast` doing what the callbacks `cbs` do, or `None` if there is none."
+    if importlib.util.find_spec('teachloop.fast') is None: return None
+    from teachloop.fast import plan_fast_step  # imported late: `teachloop.fast` builds on this module
+    return plan_fast_step(cbs)
+
+# %% ../nbs/01_optimizer.ipynb #c016
 class Optimizer(torch.optim.Optimizer):
     "A torch optimizer whose `step` runs the optimizer callbacks `cbs` on each parameter."
     def __init__(self,
                  params,  # tensors, lists of tensors (one list per group), or torch-style group dicts
                  cbs,  # optimizer callbacks, run in this order on each parameter at every step
+                 fast=None,  # multi-tensor step (notebook 08): `None` when one exists, `True` always, `False` never
                  **defaults,  # hyper-parameters shared by all groups (`lr`, `mom`, ...)
                 ):
-        self.cbs = list(cbs)
+        self.cbs, self.fast, self._fast_plan = list(cbs), fast, None
         merged = {}
         for cb in self.cbs: merged.update(_callback_defaults(cb))
         merged.update(defaults)
@@ -104,13 +144,30 @@ class Optimizer(torch.optim.Optimizer):
             with torch.enable_grad(): loss = closure()
         for group in self.param_groups:
             hypers = {k: v for k, v in group.items() if k != 'params'}
-            for p in group['params']:
-                if p.grad is None: continue
-                state = self.state[p]
-                for cb in self.cbs:
-                    new_state = cb(p, **{**state, **hypers})
-                    if new_state: state.update(new_state)
+            params = [p for p in group['params'] if p.grad is not None]
+            fast_step = self.fast_step_for(params) if params else None
+            if fast_step is not None: fast_step(params, [self.state[p] for p in params], hypers)
+            else:
+                for p in params: self.step_param(p, hypers)
         return loss
+
+    def step_param(self, p, hypers):
+        "Run the callbacks, in order, on parameter `p` with its group's `hypers`."
+        state = self.state[p]
+        for cb in self.cbs:
+            new_state = cb(p, **{**state, **hypers})
+            if new_state: state.update(new_state)
+
+    def fast_step_for(self, params):
+        "The multi-tensor step doing what the callbacks do to `params`, or `None` to run the callbacks."
+        if self.fast is False: return None
+        key = tuple(map(id, self.cbs))
+        if self._fast_plan is None or self._fast_plan[0] != key: self._fast_plan = (key, find_fast_step(self.cbs))
+        fast_step = self._fast_plan[1]
+        if fast_step is not None and fast_step.applies_to(params): return fast_step
+        if self.fast: raise RuntimeError(f"no multi-tensor step for callbacks [{', '.join(map(_callback_name, self.cbs))}] "
+                                         "on these parameters; create the optimizer with `fast=None` or `fast=False`")
+        return None
 
     def clear_state(self):
         "Forget every parameter's state (moving averages, step counts)."
@@ -120,6 +177,15 @@ class Optimizer(torch.optim.Optimizer):
     def hypers(self):
         "The hyper-parameters of each group, as a list of dicts."
         return [{k: v for k, v in group.items() if k != 'params'} for group in self.param_groups]
+
+    def state_dict(self):
+        "The state as `torch.optim.Optimizer` saves it, plus the names of the callbacks that made it."
+        return {**super().state_dict(), 'callbacks': [_callback_name(cb) for cb in self.cbs]}
+
+    def load_state_dict(self, state_dict):
+        "Load a saved state after checking it fits this optimizer; a state that does not fit changes nothing."
+        check_state_dict_fits(self, state_dict)
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != 'callbacks'})
 
     def set_hyper(self, name, value):
         "Set hyper-parameter `name` to `value`: a number, one value per group, or a `slice` spread across groups."
@@ -133,12 +199,12 @@ class Optimizer(torch.optim.Optimizer):
         cbs = ', '.join(_callback_name(cb) for cb in self.cbs)
         return f"{type(self).__name__}(cbs=[{cbs}], groups={len(self.param_groups)}, hypers={self.hypers})"
 
-# %% ../nbs/01_optimizer.ipynb #c014
+# %% ../nbs/01_optimizer.ipynb #c018
 def sgd_step(p, lr, **kwargs):
     "Plain gradient descent: move `p` by `-lr` times its gradient."
     p.add_(p.grad, alpha=-lr)
 
-# %% ../nbs/01_optimizer.ipynb #c021
+# %% ../nbs/01_optimizer.ipynb #c025
 def weight_decay(p, lr, wd, do_wd=True, **kwargs):
     "Decoupled weight decay: shrink `p` by the factor `1 - lr*wd`."
     if do_wd and wd != 0: p.mul_(1 - lr * wd)
@@ -149,11 +215,13 @@ def l2_reg(p, wd, do_wd=True, **kwargs):
     if do_wd and wd != 0: p.grad.add_(p, alpha=wd)
 l2_reg.defaults = dict(wd=0.)
 
-# %% ../nbs/01_optimizer.ipynb #c025
+# %% ../nbs/01_optimizer.ipynb #c029
 def average_grad(p, mom, dampening=False, grad_avg=None, **kwargs):
     "Keep a running average of the gradients in `grad_avg` (dampened: weights `1 - mom` on the new gradient)."
     if grad_avg is None: grad_avg = torch.zeros_like(p.grad)
-    grad_avg.mul_(mom).add_(p.grad, alpha=1 - mom if dampening else 1.)
+    # the dampened average written as a lerp, as torch.optim does: the same rounding, so parity can be checked to 1e-6
+    if dampening: grad_avg.lerp_(p.grad, 1 - mom)
+    else: grad_avg.mul_(mom).add_(p.grad)
     return {'grad_avg': grad_avg}
 average_grad.defaults = dict(mom=0.9)
 
@@ -161,7 +229,7 @@ def momentum_step(p, lr, grad_avg, **kwargs):
     "Move `p` by `-lr` times the average gradient."
     p.add_(grad_avg, alpha=-lr)
 
-# %% ../nbs/01_optimizer.ipynb #c029
+# %% ../nbs/01_optimizer.ipynb #c033
 def average_sqr_grad(p, sqr_mom, dampening=True, sqr_avg=None, **kwargs):
     "Keep a running average of the squared gradients in `sqr_avg`."
     if sqr_avg is None: sqr_avg = torch.zeros_like(p.grad)
@@ -175,7 +243,7 @@ def rms_prop_step(p, lr, sqr_avg, eps, grad_avg=None, **kwargs):
     p.addcdiv_(direction, sqr_avg.sqrt().add_(eps), value=-lr)
 rms_prop_step.defaults = dict(eps=1e-8)
 
-# %% ../nbs/01_optimizer.ipynb #c034
+# %% ../nbs/01_optimizer.ipynb #c038
 def step_stat(p, step=0, **kwargs):
     "Count the steps taken for `p` in its state under `step`."
     return {'step': step + 1}
@@ -192,25 +260,25 @@ def adam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, **kwargs):
     p.addcdiv_(grad_avg, denom, value=-lr / debias1)
 adam_step.defaults = dict(eps=1e-5)
 
-# %% ../nbs/01_optimizer.ipynb #c038
+# %% ../nbs/01_optimizer.ipynb #c042
 def _decay(decouple_wd): return weight_decay if decouple_wd else l2_reg
 
-def SGD(params, lr, mom=0., wd=0., decouple_wd=True):
+def SGD(params, lr, mom=0., wd=0., decouple_wd=True, fast=None):
     "SGD, with momentum when `mom` > 0 (undampened, as in `torch.optim.SGD`)."
     cbs = [_decay(decouple_wd)] + ([average_grad, momentum_step] if mom else [sgd_step])
-    return Optimizer(params, cbs, lr=lr, mom=mom, wd=wd)
+    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, wd=wd)
 
-def RMSProp(params, lr, sqr_mom=0.99, mom=0., eps=1e-8, wd=0., decouple_wd=True):
+def RMSProp(params, lr, sqr_mom=0.99, mom=0., eps=1e-8, wd=0., decouple_wd=True, fast=None):
     "RMSProp; with `mom` > 0 it steps along the average gradient."
     cbs = [_decay(decouple_wd)] + ([average_grad] if mom else []) + [average_sqr_grad, rms_prop_step]
-    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
+    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
 
-def Adam(params, lr, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01, decouple_wd=True):
+def Adam(params, lr, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01, decouple_wd=True, fast=None):
     "Adam (AdamW when `decouple_wd`), with fastai's defaults."
     cbs = [_decay(decouple_wd), partial(average_grad, dampening=True), average_sqr_grad, step_stat, adam_step]
-    return Optimizer(params, cbs, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
+    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
 
-# %% ../nbs/01_optimizer.ipynb #c041
+# %% ../nbs/01_optimizer.ipynb #c048
 def run_steps(model, opt, batches, loss_func=torch.nn.functional.mse_loss):
     "Train `model` with `opt` for one pass over `batches`; return the losses as a tensor."
     losses = []

@@ -196,12 +196,12 @@ class Learner:
         return f"Learner(model={type(self.model).__name__}, cbs=[{', '.join(type(c).__name__ for c in self.cbs)}])"
 
 # %% ../nbs/02_learner.ipynb #c018
-def _check_new_callback(learn, cb):
+def _check_new_callback(existing, cb):
     if isinstance(cb, type):
         raise TypeError(f"got the class {cb.__name__}, not an instance: pass `{cb.__name__}()`")
     if not isinstance(cb, Callback): raise TypeError(f"callbacks must be Callback instances, got {type(cb).__name__}")
-    if any(c is cb for c in learn.cbs): raise ValueError(f"{cb!r} is already added to this learner")
-    if any(c.name == cb.name for c in learn.cbs):
+    if any(c is cb for c in existing): raise ValueError(f"{cb!r} is already added to this learner")
+    if any(c.name == cb.name for c in existing):
         raise ValueError(f"a callback named {cb.name!r} is already added (learn.{cb.name}); remove it first, "
                          "or give the new one another name with `cb.name = '...'`")
     check_event_names(cb)
@@ -217,7 +217,7 @@ def _handlers(cbs, event, phase_flag):
 def add_cbs(self, cbs):
     "Add callbacks (checked, sorted by `order`, ties in the order added); return them."
     cbs = list(cbs)
-    for cb in cbs: _check_new_callback(self, cb)
+    for i, cb in enumerate(cbs): _check_new_callback(self.cbs + cbs[:i], cb)
     for cb in cbs:
         object.__setattr__(cb, 'learn', self)
         self.cbs.append(cb)
@@ -267,13 +267,21 @@ def _with_events(self, body, name, cancel_exception):
 Learner.__call__, Learner._with_events = _fire, _with_events
 
 # %% ../nbs/02_learner.ipynb #c022
+def _loss_with_broadcast_check(loss_func, pred, yb):
+    "Call `loss_func`, turning torch's warning about silently broadcasting mismatched shapes into an error."
+    with warnings.catch_warnings():
+        warnings.filterwarnings('error', message='Using a target size')
+        return loss_func(pred, *yb)
+
 def _compute_loss(self):
     pred, target = self.pred, self.yb[0]
     if hasattr(pred, 'shape') and hasattr(target, 'shape') and pred.shape[:1] != target.shape[:1]:
         raise ValueError(f"the model's output has shape {tuple(pred.shape)} but the target has shape "
                          f"{tuple(target.shape)}: their first (batch) dimensions differ")
-    try: loss = self.loss_func(pred, *self.yb)
-    except (RuntimeError, ValueError, IndexError) as e:
+    try:
+        if self.iter == 0: loss = _loss_with_broadcast_check(self.loss_func, pred, self.yb)
+        else: loss = self.loss_func(pred, *self.yb)
+    except (RuntimeError, ValueError, IndexError, UserWarning) as e:
         raise ValueError(f"loss_func {getattr(self.loss_func, '__name__', self.loss_func)!r} failed on the model's "
                          f"output of shape {_describe_shape(pred)} and the target of shape {_describe_shape(target)} "
                          f"(dtype {getattr(target, 'dtype', '?')}): {e}") from e

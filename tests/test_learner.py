@@ -1,0 +1,359 @@
+"Event order, cancellations, callback semantics, errors and host-device syncs of the Learner."
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from teachloop.callbacks import ProgressCallback, Recorder, accuracy
+from teachloop.data import DataLoaders, digits_cnn, digits_dls, regression_2d
+from teachloop.learner import (EVENTS, CancelBackwardException, CancelBatchException, CancelEpochException,
+                               CancelFitException, CancelStepException, CancelTrainException, CancelValidException,
+                               Callback, EventLog, Learner)
+from teachloop.optimizer import SGD
+
+TRAIN_BATCH = ['before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step',
+               'after_step', 'after_batch']
+VALID_BATCH = ['before_batch', 'after_pred', 'after_loss', 'after_batch']
+
+
+def tiny_dls():
+    x, y = regression_2d(n=24)
+    return DataLoaders([(x[:8], y[:8]), (x[8:16], y[8:16])], [(x[16:], y[16:])])
+
+
+def tiny_learner(cbs=(), **kwargs):
+    torch.manual_seed(0)
+    return Learner(tiny_dls(), nn.Linear(2, 1), F.mse_loss, opt_func=SGD, lr=0.1, cbs=list(cbs), default_cbs=False, **kwargs)
+
+
+def epoch_events(train_batches, valid_batches):
+    return (['before_epoch', 'before_train'] + train_batches + ['after_train', 'before_validate'] + valid_batches
+            + ['after_validate', 'after_epoch'])
+
+
+def fit_events(epochs):
+    return ['before_fit'] + sum(epochs, []) + ['after_fit', 'cleanup_fit']
+
+
+class Raise(Callback):
+    "Raise `exc` at `event` when the learner is in the given phase and batch."
+    def __init__(self, event, exc, training=True, iter=0, epoch=0):
+        self.exc, self.when = exc, (training, iter, epoch)
+        setattr(self, event, self._maybe_raise)
+
+    def _maybe_raise(self):
+        if (self.learn.training, self.learn.iter, self.learn.epoch) == self.when: raise self.exc()
+
+
+def run_logged(n_epoch=1, cbs=()):
+    log = EventLog()
+    learn = tiny_learner([log, *cbs])
+    learn.fit(n_epoch)
+    return log.events[1:]  # drop after_create
+
+
+def test_full_event_sequence():
+    events = run_logged(2)
+    epoch = epoch_events(TRAIN_BATCH * 2, VALID_BATCH)
+    assert events == fit_events([epoch, epoch])
+
+
+def test_after_create_fires_once_at_construction():
+    log = EventLog()
+    tiny_learner([log])
+    assert log.events == ['after_create']
+
+
+def test_cancel_batch():
+    events = run_logged(cbs=[Raise('after_pred', CancelBatchException)])
+    cancelled = ['before_batch', 'after_pred', 'after_cancel_batch', 'after_batch']
+    assert events == fit_events([epoch_events(cancelled + TRAIN_BATCH, VALID_BATCH)])
+
+
+def test_cancel_backward_skips_backward_but_not_step():
+    learn_events = run_logged(cbs=[Raise('before_backward', CancelBackwardException)])
+    cancelled = ['before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_cancel_backward',
+                 'after_backward', 'before_step', 'after_step', 'after_batch']
+    assert learn_events == fit_events([epoch_events(cancelled + TRAIN_BATCH, VALID_BATCH)])
+
+
+def test_cancel_backward_leaves_weights_unchanged_for_that_batch():
+    stop_after_first = Raise('before_batch', CancelTrainException, iter=1)
+    stop_after_first.name = 'stop_train'
+    learn = tiny_learner([Raise('before_backward', CancelBackwardException, iter=0), stop_after_first])
+    before = copy.deepcopy(learn.model.state_dict())
+    learn.fit(1)
+    assert all(torch.equal(before[k], v) for k, v in learn.model.state_dict().items())
+
+
+def test_cancel_step():
+    events = run_logged(cbs=[Raise('before_step', CancelStepException)])
+    cancelled = ['before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step',
+                 'after_cancel_step', 'after_step', 'after_batch']
+    assert events == fit_events([epoch_events(cancelled + TRAIN_BATCH, VALID_BATCH)])
+
+
+def test_cancel_step_leaves_weights_unchanged_and_zeroes_gradients():
+    stop_after_first = Raise('before_batch', CancelTrainException, iter=1)
+    stop_after_first.name = 'stop_train'
+    learn = tiny_learner([Raise('before_step', CancelStepException, iter=0), stop_after_first])
+    before = copy.deepcopy(learn.model.state_dict())
+    learn.fit(1)
+    assert all(torch.equal(before[k], v) for k, v in learn.model.state_dict().items())
+    assert all(p.grad is None for p in learn.model.parameters())
+
+
+def test_cancel_train():
+    events = run_logged(cbs=[Raise('after_batch', CancelTrainException, iter=0)])
+    epoch = (['before_epoch', 'before_train'] + TRAIN_BATCH + ['after_cancel_train', 'after_train', 'before_validate']
+             + VALID_BATCH + ['after_validate', 'after_epoch'])
+    assert events == fit_events([epoch])
+
+
+def test_cancel_validate():
+    events = run_logged(cbs=[Raise('before_batch', CancelValidException, training=False)])
+    epoch = (['before_epoch', 'before_train'] + TRAIN_BATCH * 2 + ['after_train', 'before_validate', 'before_batch',
+             'after_cancel_validate', 'after_validate', 'after_epoch'])
+    assert events == fit_events([epoch])
+
+
+def test_cancel_epoch_goes_on_with_next_epoch():
+    events = run_logged(2, cbs=[Raise('after_train', CancelEpochException, training=True, iter=1, epoch=0)])
+    first = ['before_epoch', 'before_train'] + TRAIN_BATCH * 2 + ['after_train', 'after_cancel_epoch', 'after_epoch']
+    assert events == fit_events([first, epoch_events(TRAIN_BATCH * 2, VALID_BATCH)])
+
+
+def test_cancel_fit():
+    events = run_logged(3, cbs=[Raise('after_epoch', CancelFitException, training=False, iter=0, epoch=0)])
+    epoch = epoch_events(TRAIN_BATCH * 2, VALID_BATCH)
+    assert events == ['before_fit'] + epoch + ['after_cancel_fit', 'after_fit', 'cleanup_fit']
+
+
+def test_validation_runs_without_grad_and_in_eval_mode():
+    seen = []
+    class Probe(Callback):
+        def after_pred(self): seen.append((self.training, self.model.training, torch.is_grad_enabled()))
+    tiny_learner([Probe()]).fit(1)
+    assert seen == [(True, True, True), (True, True, True), (False, False, False)]
+
+
+def test_order_is_a_stable_sort():
+    calls = []
+    def make(tag, order):
+        cls = type(f'Cb{tag}', (Callback,), {'order': order, 'before_fit': lambda self: calls.append(tag)})
+        return cls()
+    learn = tiny_learner([make('a', 5), make('b', -1), make('c', 5), make('d', 0)])
+    learn.fit(1)
+    assert calls == ['b', 'd', 'a', 'c']
+
+
+def test_run_train_and_run_valid_gate_batch_events_only():
+    class TrainOnly(Callback):
+        run_valid = False
+        def __init__(self): self.batches, self.validates = 0, 0
+        def after_batch(self): self.batches += 1
+        def after_validate(self): self.validates += 1
+    class ValidOnly(TrainOnly):
+        run_train, run_valid = False, True
+    t, v = TrainOnly(), ValidOnly()
+    tiny_learner([t, v]).fit(2)
+    assert (t.batches, t.validates) == (4, 2) and (v.batches, v.validates) == (2, 2)
+
+
+def test_event_tables_hold_only_implementers():
+    class OnlyAfterBatch(Callback):
+        def after_batch(self): pass
+    cb = OnlyAfterBatch()
+    learn = tiny_learner([cb])
+    tables = learn._event_tables
+    for table in tables:
+        assert [h.__self__ for h in table['after_batch']][-1] is cb
+        assert all(h.__self__ is not cb for e in EVENTS if e != 'after_batch' for h in table[e])
+
+
+def test_reads_fall_through_and_callbacks_reachable_by_name():
+    class Peek(Callback):
+        def after_loss(self): self.seen = (self.loss, self.n_epoch, self.epoch, self.learn.loss_grad is self.loss_grad)
+    learn = tiny_learner([Peek()])
+    learn.fit(1)
+    assert learn.peek.seen[1:] == (1, 0, True)
+    assert learn.train_eval.name == 'train_eval'
+    with pytest.raises(AttributeError, match='no attribute or callback'): learn.not_there
+
+
+def test_writing_a_learner_attribute_on_the_callback_warns():
+    class Shadow(Callback):
+        def before_fit(self): self.loss_grad = 1.
+    with pytest.warns(UserWarning, match=r'self\.learn\.loss_grad'):
+        tiny_learner([Shadow()]).fit(1)
+
+
+def test_misspelt_event_is_an_error_when_added():
+    class Typo(Callback):
+        def before_bach(self): pass
+    with pytest.raises(ValueError, match='before_batch'):
+        tiny_learner([Typo()])
+    class NearMiss(Callback):
+        def afterbatch(self): pass
+    with pytest.raises(ValueError, match='after_batch'):
+        tiny_learner().add_cbs([NearMiss()])
+
+
+def test_bad_callbacks_are_refused_before_anything_changes():
+    learn = tiny_learner()
+    n_cbs = len(learn.cbs)
+    with pytest.raises(TypeError, match=r'pass `Recorder\(\)`'): learn.add_cbs([Recorder])
+    rec = Recorder()
+    with pytest.raises(ValueError, match='already'): learn.add_cbs([rec, rec])
+    with pytest.raises(ValueError, match="named 'recorder'"): learn.add_cbs([Recorder(), Recorder()])
+    learn.add_cbs([rec])
+    with pytest.raises(ValueError, match="named 'recorder'"): learn.add_cbs([Recorder()])
+    assert len(learn.cbs) == n_cbs + 1
+
+
+def test_fit_cbs_are_removed_afterwards_even_on_error():
+    class Boom(Callback):
+        def after_loss(self): raise RuntimeError('boom')
+    learn = tiny_learner()
+    before = list(learn.cbs)
+    with pytest.raises(RuntimeError): learn.fit(1, cbs=[Boom()])
+    assert learn.cbs == before
+
+
+def test_error_in_callback_names_callback_and_event_and_learner_stays_usable():
+    class Boom(Callback):
+        def before_step(self):
+            if self.iter == 1: raise RuntimeError('boom')
+    learn = Learner(tiny_dls(), nn.Linear(2, 1), F.mse_loss, opt_func=SGD, lr=0.1)
+    with pytest.raises(RuntimeError) as info: learn.fit(1, cbs=[Boom()])
+    assert any('Boom.before_step' in n for n in info.value.__notes__)
+    assert learn.progress.bar is None  # closed by cleanup_fit
+    assert len(learn.recorder.losses) == 1  # the finished first batch is in the history
+    assert not learn.model.training
+    learn.fit(1)
+    assert len(learn.recorder.losses) == 2
+
+
+def test_keyboard_interrupt_propagates_after_cleanup_and_keeps_history():
+    class Interrupt(Callback):
+        def after_batch(self):
+            if self.training and self.iter == 1: raise KeyboardInterrupt()
+    learn = Learner(tiny_dls(), nn.Linear(2, 1), F.mse_loss, opt_func=SGD, lr=0.1)
+    log = EventLog(); learn.add_cbs([log])
+    with pytest.raises(KeyboardInterrupt): learn.fit(2, cbs=[Interrupt()])
+    assert log.events[-1] == 'cleanup_fit' and 'after_fit' not in log.events
+    assert learn.progress.bar is None
+    weights = copy.deepcopy(learn.model.state_dict())
+    learn.fit(1)
+    assert not torch.equal(weights['weight'], learn.model.weight)
+
+
+def test_bad_inputs_give_clear_errors():
+    x, y = regression_2d(n=16)
+    with pytest.raises(TypeError, match=r'DataLoaders\(train_dl, valid_dl\)'):
+        Learner([(x, y)], nn.Linear(2, 1), F.mse_loss)
+    with pytest.raises(TypeError, match='loss_func must be callable'):
+        Learner(tiny_dls(), nn.Linear(2, 1), 'mse')
+    with pytest.raises(TypeError, match='torch.nn.Module'):
+        Learner(tiny_dls(), lambda x: x, F.mse_loss)
+    empty = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[:0], y[:0]), batch_size=4)
+    learn = Learner(DataLoaders(empty, empty), nn.Linear(2, 1), F.mse_loss, default_cbs=False)
+    with pytest.raises(ValueError, match='no batches'): learn.fit(1)
+    with pytest.raises(ValueError, match='n_epoch'): tiny_learner().fit(0)
+
+
+def test_shape_mismatch_names_shapes_and_changes_nothing():
+    learn = Learner(tiny_dls(), nn.Linear(2, 3), F.mse_loss, opt_func=SGD, lr=0.1, default_cbs=False)
+    before = copy.deepcopy(learn.model.state_dict())
+    with pytest.raises(ValueError, match=r'\(8, 3\).*\(8, 1\)'):
+        learn.fit(1)
+    assert all(torch.equal(before[k], v) for k, v in learn.model.state_dict().items())
+    x, y = regression_2d(n=16)
+    batch_mismatch = DataLoaders([(x[:8], y[:4])], None)
+    with pytest.raises(ValueError, match=r'\(8, 1\).*\(4, 1\)'):
+        Learner(batch_mismatch, nn.Linear(2, 1), F.mse_loss, default_cbs=False).fit(1)
+
+
+def test_learner_matches_hand_written_loop():
+    torch.manual_seed(1)
+    dls = digits_dls(bs=64, seed=3)
+    model = digits_cnn()
+    reference = copy.deepcopy(model)
+    learn = Learner(dls, model, F.cross_entropy, opt_func=SGD, lr=0.05, metrics=[accuracy],
+                    cbs=[], default_cbs=True)
+    learn.progress.show_bar = learn.progress.print_rows = False
+    learn.fit(2)
+    opt = SGD(reference.parameters(), lr=0.05)
+    dls2 = digits_dls(bs=64, seed=3)
+    losses = []
+    for _ in range(2):
+        reference.train()
+        for xb, yb in dls2.train:
+            loss = F.cross_entropy(reference(xb), yb)
+            loss.backward(); opt.step(); opt.zero_grad()
+            losses.append(loss.item())
+    assert learn.recorder.losses == pytest.approx(losses, abs=0)
+    for a, b in zip(learn.model.parameters(), reference.parameters()): assert torch.equal(a, b)
+    reference.eval()
+    with torch.no_grad():
+        xs, ys = map(torch.cat, zip(*dls2.valid))
+        out = reference(xs)
+    valid_loss, acc = learn.recorder.values[-1][2:4]
+    assert valid_loss == pytest.approx(F.cross_entropy(out, ys).item(), rel=1e-5)
+    assert acc == pytest.approx(accuracy(out, ys).item(), rel=1e-6)
+
+
+def test_no_host_device_sync_inside_the_batch_loop(monkeypatch):
+    "Reading a tensor's value in a batch event would stall a GPU: count such reads between before_batch and after_batch."
+    state = {'in_batch': False, 'reads': []}
+    class Window(Callback):
+        order = -100
+        def before_batch(self): state['in_batch'] = True
+    class WindowEnd(Callback):
+        order = 100
+        def after_batch(self): state['in_batch'] = False
+    def spy(name):
+        original = getattr(torch.Tensor, name)
+        def wrapper(self, *args, **kwargs):
+            if state['in_batch']: state['reads'].append(name)
+            return original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, wrapper)
+    learn = Learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, lr=1e-3, metrics=[accuracy],
+                    cbs=[Window(), WindowEnd()])
+    for name in ('item', 'tolist', 'cpu', 'numpy', '__bool__', '__float__', '__int__'): spy(name)
+    learn.fit(1)
+    assert state['reads'] == []
+    assert len(learn.recorder.values) == 1
+
+
+def test_save_and_load_round_trip_and_refuse_other_model(tmp_path):
+    learn = tiny_learner()
+    learn.fit(1)
+    path = learn.save(tmp_path / 'model.pt')
+    other = tiny_learner()
+    other.load(path)
+    assert torch.equal(other.model.weight, learn.model.weight)
+    wrong = Learner(tiny_dls(), nn.Linear(2, 2), F.mse_loss, default_cbs=False)
+    before = copy.deepcopy(wrong.model.state_dict())
+    with pytest.raises(ValueError, match='do not fit this model'): wrong.load(path)
+    assert torch.equal(before['weight'], wrong.model.weight)
+    (tmp_path / 'broken.pt').write_bytes(path.read_bytes()[:100])
+    with pytest.raises(ValueError, match='could not read'): wrong.load(tmp_path / 'broken.pt')
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith('.tmp')] == []
+
+
+def test_get_preds_and_validate_agree():
+    torch.manual_seed(0)
+    learn = Learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, lr=3e-3, metrics=[accuracy],
+                    cbs=[ProgressCallback(show_bar=False, print_rows=False)], default_cbs=False)
+    from teachloop.callbacks import DeviceCallback
+    learn.add_cbs([Recorder(), DeviceCallback()])
+    learn.fit(1)
+    preds, targets = learn.get_preds()
+    loss, acc = learn.validate()
+    assert preds.shape == (len(learn.dls.valid.dataset), 10) and acc == pytest.approx(accuracy(preds, targets).item(), rel=1e-6)
+    assert loss == pytest.approx(F.cross_entropy(preds, targets).item(), rel=1e-5)
+    assert learn.predict(preds.new_zeros(2, 1, 8, 8)).shape == (2, 10)

@@ -22,8 +22,11 @@ from .data import noisy_parabola
 from .optimizer import SGD, Adam, RMSProp
 
 # %% auto #0
-__all__ = ['check_beta', 'ewma', 'plot_ewma', 'debiased_ewma', 'effective_window', 'ewma_weights', 'float_slider', 'FigureWidget',
-           'EWMAWidget']
+__all__ = ['SURFACES', 'check_beta', 'ewma', 'plot_ewma', 'debiased_ewma', 'effective_window', 'ewma_weights', 'float_slider',
+           'FigureWidget', 'EWMAWidget', 'Surface', 'quadratic_surface', 'rosenbrock_surface', 'saddle_surface',
+           'nesterov_sgd', 'optimizer_set', 'trajectory', 'plot_surface', 'plot_paths', 'heavy_ball_roots',
+           'heavy_ball_rate', 'convergence_rate', 'critical_beta', 'stable_lr', 'optimal_momentum', 'lr_range',
+           'rate_map', 'plot_rate_map', 'TrajectoryWidget', 'record_gradient', 'GradientStreamWidget']
 
 # %% ../nbs/05_momentum.ipynb #c005
 def check_beta(beta, name='beta'):
@@ -103,12 +106,16 @@ class FigureWidget:
     def __init__(self,
                  fig,  # the `matplotlib.figure.Figure` whose artists `update` changes
                  controls,  # dict of name -> ipywidgets control; their values go to `update` by name
+                 dynamic,  # the artists `update` changes; the rest is drawn once and reused as a background
                  extras=(),  # more widgets for the row of controls (buttons)
                  dpi=72,  # resolution of the image
                 ):
         import ipywidgets as widgets
         FigureCanvasAgg(fig)
-        self.fig, self.controls, self.dpi = fig, dict(controls), dpi
+        fig.set_dpi(dpi)
+        self.fig, self.controls, self.dynamic = fig, dict(controls), list(dynamic)
+        for artist in self.dynamic: artist.set_animated(True)
+        self._background, self._background_key = None, None
         self.image = widgets.Image(format='png')
         for control in self.controls.values(): control.observe(self.redraw, names='value')
         row = widgets.HBox([*self.controls.values(), *extras], layout=widgets.Layout(flex_flow='row wrap'))
@@ -146,10 +153,25 @@ class FigureWidget:
             for name, value in values.items(): self.controls[name].value = value
         self.redraw()
 
+    def draw(self):
+        "Draw the figure: the dynamic artists over the saved background, all of it when the axes' limits changed."
+        canvas, key = self.fig.canvas, [(ax.get_xlim(), ax.get_ylim()) for ax in self.fig.axes]
+        if self._background is None or key != self._background_key:
+            canvas.draw()
+            self._background, self._background_key = canvas.copy_from_bbox(self.fig.bbox), key
+        else: canvas.restore_region(self._background)
+        for artist in self.dynamic: self.fig.draw_artist(artist)
+
+    def forget_background(self):
+        "Draw everything at the next redraw (after adding or removing static artists)."
+        self._background = None
+
     def png(self):
-        "The figure as PNG bytes."
+        "The figure as PNG bytes (fast compression: the image is sent, not stored)."
+        from PIL import Image
+        self.draw()
         buffer = io.BytesIO()
-        self.fig.savefig(buffer, format='png', dpi=self.dpi)
+        Image.fromarray(np.asarray(self.fig.canvas.buffer_rgba())).convert('RGB').save(buffer, format='png', compress_level=1)
         return buffer.getvalue()
 
     def _repr_mimebundle_(self, **kwargs):
@@ -177,13 +199,13 @@ class EWMAWidget(FigureWidget):
         self.ax_data.legend(loc='lower center', ncol=4, fontsize=8)
         self.lines['weights'] = self.ax_weights.plot([], [], color='C1')[0]
         self.lines['window'] = self.ax_weights.axvline(1, color='k', ls=':', label='1/(1-beta)')
-        self.ax_weights.set(xlim=(0, n), xlabel='steps back', title='weight of each past value')
+        self.ax_weights.set(xlim=(0, n), ylim=(0, 1.05), xlabel='steps back', title='weight relative to the newest')
         self.ax_weights.legend(fontsize=8)
         resample = widgets.Button(description='re-sample')
         resample.on_click(self.resample)
         controls = dict(beta=float_slider('beta', beta, 0., 0.995, 0.005),
                         noise=float_slider('noise', noise, 0., 0.5, 0.01))
-        super().__init__(fig, controls, extras=[resample])
+        super().__init__(fig, controls, [*self.lines.values(), self.ax_data.title], extras=[resample])
 
     def resample(self, button=None):
         "Draw a new noisy sample and redraw."
@@ -196,7 +218,302 @@ class EWMAWidget(FigureWidget):
         self.lines['ewma'].set_data(x, ewma(y, beta))
         self.lines['debiased'].set_data(x, debiased_ewma(y, beta))
         window = effective_window(beta)
-        self.lines['weights'].set_data(np.arange(self.n), ewma_weights(beta, self.n))
+        self.lines['weights'].set_data(np.arange(self.n), ewma_weights(beta, self.n) / (1 - beta))
         self.lines['window'].set_xdata([window, window])
-        self.ax_weights.set_ylim(0, (1 - beta) * 1.1)
         self.ax_data.set_title(f"beta = {beta:.3f}: averages over about {window:.0f} points")
+
+# %% ../nbs/05_momentum.ipynb #c032
+class Surface:
+    "A 2-D loss surface: its loss and gradient, where paths start, its minimum, the region shown, suitable lrs."
+    def __init__(self,
+                 name,  # short name, shown in titles
+                 loss,  # the loss of points: a function of a tensor of shape (..., 2)
+                 grad,  # the gradient of `loss` at one point of shape (2,)
+                 start,  # where the paths start
+                 minimum,  # a minimum of the loss
+                 extent,  # the region shown, (x_min, x_max, y_min, y_max)
+                 lr,  # a learning rate that suits SGD and momentum here
+                 lr_adaptive,  # one that suits RMSProp and Adam
+                ):
+        self.name, self.loss, self.grad, self.extent = name, loss, grad, extent
+        self.start, self.minimum = (torch.tensor(p, dtype=torch.float64) for p in (start, minimum))
+        self.lr, self.lr_adaptive = lr, lr_adaptive
+        hessian = torch.autograd.functional.hessian(loss, self.minimum)
+        self.curvatures = torch.linalg.eigvalsh(hessian).numpy()
+
+    def __repr__(self):
+        return f"Surface({self.name!r}, start={self.start.tolist()}, curvatures at the minimum={self.curvatures.round(3).tolist()})"
+
+# %% ../nbs/05_momentum.ipynb #c033
+def quadratic_surface(curvatures=(1., 25.), start=(-4., 1.5)):
+    "The quadratic 1/2 (l1 x^2 + l2 y^2) with curvatures (l1, l2): a canyon when they are far apart."
+    scale = torch.tensor(curvatures, dtype=torch.float64)
+    def loss(points): return 0.5 * (scale * points ** 2).sum(-1)
+    def grad(point): return scale * point
+    return Surface('canyon', loss, grad, start, (0., 0.), (-4.5, 4.5, -2., 2.), lr=0.03, lr_adaptive=0.1)
+
+def rosenbrock_surface(start=(-1.2, 1.)):
+    "Rosenbrock's function (1 - x)^2 + 100 (y - x^2)^2, minimum at (1, 1)."
+    def loss(points):
+        x, y = points[..., 0], points[..., 1]
+        return (1 - x) ** 2 + 100 * (y - x ** 2) ** 2
+    def grad(point):
+        x, y = point
+        return torch.stack([-2 * (1 - x) - 400 * x * (y - x ** 2), 200 * (y - x ** 2)])
+    return Surface('rosenbrock', loss, grad, start, (1., 1.), (-2., 2., -1., 3.), lr=1e-3, lr_adaptive=0.02)
+
+def saddle_surface(start=(-3., 0.005)):
+    "1/2 x^2 + 1/4 (y^2 - 1)^2: a saddle at the origin between minima at (0, -1) and (0, 1)."
+    def loss(points):
+        x, y = points[..., 0], points[..., 1]
+        return 0.5 * x ** 2 + 0.25 * (y ** 2 - 1) ** 2
+    def grad(point):
+        x, y = point
+        return torch.stack([x, y * (y ** 2 - 1)])
+    return Surface('saddle', loss, grad, start, (0., 1.), (-3.5, 3.5, -1.8, 1.8), lr=0.1, lr_adaptive=0.05)
+
+SURFACES = {surface.name: surface for surface in (quadratic_surface(), rosenbrock_surface(), saddle_surface())}
+
+# %% ../nbs/05_momentum.ipynb #c038
+def nesterov_sgd(params, lr, mom):
+    "SGD with Nesterov momentum `mom` (plain SGD for `mom` = 0)."
+    if mom == 0: return SGD(params, lr=lr)
+    try:
+        from teachloop.optimizers import Nesterov
+    except ImportError:
+        return torch.optim.SGD(params, lr=lr, momentum=mom, nesterov=True)
+    return Nesterov(params, lr=lr, mom=mom)
+
+def optimizer_set(lr, lr_adaptive, beta, beta2, eps):
+    "The five optimizers compared on the surfaces, by name, as functions of the parameters."
+    return {'SGD': partial(SGD, lr=lr),
+            'momentum': partial(SGD, lr=lr, mom=beta),
+            'Nesterov': partial(nesterov_sgd, lr=lr, mom=beta),
+            'RMSProp': partial(RMSProp, lr=lr_adaptive, sqr_mom=beta2, eps=eps),
+            'Adam': partial(Adam, lr=lr_adaptive, mom=beta, sqr_mom=beta2, eps=eps, wd=0.)}
+
+def trajectory(surface,  # the `Surface` to descend
+               opt_func,  # makes the optimizer from a list of parameters
+               steps,  # how many steps to take
+               start=None,  # where to start; the surface's start by default
+              ):
+    "The points visited by the optimizer from `opt_func` in `steps` steps on `surface`: a (steps+1, 2) tensor."
+    if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
+        raise ValueError(f"steps must be a whole number >= 0, got {steps!r}")
+    point = (surface.start if start is None else torch.as_tensor(start, dtype=torch.float64)).clone()
+    point.requires_grad_()
+    opt = opt_func([point])
+    path = torch.empty(steps + 1, 2, dtype=torch.float64)
+    path[0] = point.detach()
+    for step in range(1, steps + 1):
+        with torch.no_grad(): point.grad = surface.grad(point)
+        opt.step()
+        path[step] = point.detach()
+    return path
+
+# %% ../nbs/05_momentum.ipynb #c040
+def plot_surface(ax, surface, n_levels=14):
+    "Draw the contours of `surface` with its start and minimum on `ax`; return the artists drawn."
+    x = torch.linspace(*surface.extent[:2], 120, dtype=torch.float64)
+    y = torch.linspace(*surface.extent[2:], 120, dtype=torch.float64)
+    grid_x, grid_y = torch.meshgrid(x, y, indexing='xy')
+    loss = surface.loss(torch.stack([grid_x, grid_y], -1)).numpy()
+    levels = np.unique(np.quantile(loss, np.linspace(0.002, 0.9, n_levels) ** 2))
+    contour = ax.contour(x.numpy(), y.numpy(), loss, levels=levels, colors='0.7', linewidths=0.7)
+    marks = ax.plot(*surface.start.numpy(), 'ko', ms=5)[0], ax.plot(*surface.minimum.numpy(), 'k*', ms=9)[0]
+    ax.set(xlim=surface.extent[:2], ylim=surface.extent[2:], title=surface.name)
+    return [contour, *marks]
+
+def plot_paths(ax_path, ax_loss, surface, paths):
+    "Draw `paths` (name -> points) on `ax_path` and their losses on `ax_loss`; return the lines by name."
+    path_lines, loss_lines = {}, {}
+    for i, (name, path) in enumerate(paths.items()):
+        path_lines[name] = ax_path.plot(path[:, 0], path[:, 1], '.-', color=f'C{i}', ms=2, lw=1, label=name)[0]
+        loss_lines[name] = ax_loss.plot(surface.loss(path), color=f'C{i}', lw=1, label=name)[0]
+    ax_loss.set(yscale='log', xlabel='step', ylabel='loss')
+    return path_lines, loss_lines
+
+# %% ../nbs/05_momentum.ipynb #c046
+def heavy_ball_roots(step_curvature,  # the learning rate times the curvature, lr * lambda (an array works)
+                     beta,  # the momentum (an array works)
+                    ):
+    "The two eigenvalues of heavy-ball momentum's iteration matrix on one coordinate: a complex array (..., 2)."
+    a, beta = np.broadcast_arrays(np.asarray(step_curvature, dtype=np.float64), np.asarray(beta, dtype=np.float64))
+    trace = 1 + beta - a
+    root = np.sqrt((trace ** 2 - 4 * beta).astype(np.complex128))
+    return np.stack([(trace + root) / 2, (trace - root) / 2], axis=-1)
+
+def heavy_ball_rate(step_curvature, beta):
+    "How much heavy-ball momentum shrinks the error of one coordinate per step: the larger root's modulus."
+    return np.abs(heavy_ball_roots(step_curvature, beta)).max(-1)
+
+def convergence_rate(lr, beta, curvatures):
+    "The rate of heavy-ball momentum on a quadratic with these `curvatures`: that of its slowest coordinate."
+    return np.max([heavy_ball_rate(np.multiply(lr, curvature), beta) for curvature in curvatures], axis=0)
+
+def critical_beta(step_curvature):
+    "The momentum (1 - sqrt(lr * lambda))^2 at which the two roots meet: critical damping (for lr * lambda < 4)."
+    return (1 - np.sqrt(step_curvature)) ** 2
+
+def stable_lr(beta, curvatures):
+    "The largest stable learning rate with momentum `beta`: 2 (1 + beta) / lambda_max; at and beyond it, divergence."
+    return 2 * (1 + np.asarray(beta)) / np.max(curvatures)
+
+def optimal_momentum(curvatures):
+    "The (lr, beta) with the fastest rate on a quadratic with these `curvatures`, and that rate."
+    low, high = np.sqrt(np.min(curvatures)), np.sqrt(np.max(curvatures))
+    rate = (high - low) / (high + low)
+    return (2 / (low + high)) ** 2, rate ** 2, rate
+
+# %% ../nbs/05_momentum.ipynb #c056
+def lr_range(curvatures):
+    "The learning rates a rate map covers: from 0.01 to 10 divided by the largest curvature."
+    return 0.01 / np.max(curvatures), 10 / np.max(curvatures)
+
+def rate_map(curvatures, n_lr=160, n_beta=100, beta_max=0.99):
+    "Heavy ball's rate on a grid of log-spaced lrs (columns) and betas in [0, beta_max] (rows), with both axes."
+    lrs = np.geomspace(*lr_range(curvatures), n_lr)
+    betas = np.linspace(0, beta_max, n_beta)
+    return convergence_rate(lrs[None, :], betas[:, None], curvatures), lrs, betas
+
+def _map_lines(curvatures, betas):
+    lrs = np.geomspace(*lr_range(curvatures), 300)
+    lines = {f'critical, lambda = {c:.3g}': (lrs, critical_beta(lrs * c)) for c in (np.min(curvatures), np.max(curvatures))}
+    lines['stability bound'] = (stable_lr(betas, curvatures), betas)
+    lr_best, beta_best, _ = optimal_momentum(curvatures)
+    lines['optimum'] = ([lr_best], [beta_best])
+    return {name: (np.log10(lr), beta) for name, (lr, beta) in lines.items()}
+
+def plot_rate_map(ax, curvatures):
+    "Draw heavy ball's rate over (log10 lr, beta) for `curvatures` on `ax`; return the artists by name."
+    import matplotlib
+    rates, lrs, betas = rate_map(curvatures)
+    cmap = matplotlib.colormaps['viridis'].with_extremes(over='0.88')
+    artists = {'map': ax.imshow(rates, origin='lower', aspect='auto', cmap=cmap, vmin=0, vmax=1,
+                                extent=(np.log10(lrs[0]), np.log10(lrs[-1]), betas[0], betas[-1]))}
+    styles = {'stability bound': dict(color='w', ls='--', lw=1.2), 'optimum': dict(color='w', marker='x', ls='', ms=8)}
+    critical_colors = iter(['C1', 'C3'])
+    for name, (x, y) in _map_lines(curvatures, betas).items():
+        style = styles[name] if name in styles else dict(color=next(critical_colors), lw=0.8)
+        artists[name] = ax.plot(x, y, **style, label=name)[0]
+    ax.set(xlim=np.log10(lr_range(curvatures)), ylim=(0, betas[-1]), xlabel='log10 lr', ylabel='beta')
+    return artists
+
+# %% ../nbs/05_momentum.ipynb #c060
+def _set_log_slider(slider, low, high, value):
+    "Give a log slider the range [low, high] and `value`, widening first so no step clamps the value."
+    exponents = sorted([slider.min, slider.max, np.log10(low), np.log10(high)])
+    slider.min, slider.max = exponents[0], exponents[-1]
+    slider.value = value
+    slider.min, slider.max = np.log10(low), np.log10(high)
+
+class TrajectoryWidget(FigureWidget):
+    "Paths and losses of SGD, momentum, Nesterov, RMSProp and Adam on a 2-D surface, with heavy ball's rate map."
+    def __init__(self,
+                 surface='canyon',  # name of the surface in `SURFACES`
+                 steps=100,  # starting step budget (at most 300)
+                 beta=0.9, beta2=0.99, eps=1e-8,  # starting momentum, squared-gradient average and epsilon
+                ):
+        import ipywidgets as widgets
+        if surface not in SURFACES: raise KeyError(f"unknown surface {surface!r}; choose one of {sorted(SURFACES)}")
+        fig = Figure(figsize=(14, 4.3))
+        self.ax_path, self.ax_loss, self.ax_map = fig.subplots(1, 3, width_ratios=[1.25, 1, 1])
+        empty = torch.zeros(1, 2, dtype=torch.float64)
+        self.path_lines, self.loss_lines = plot_paths(self.ax_path, self.ax_loss, SURFACES[surface],
+                                                      dict.fromkeys(optimizer_set(1., 1., 0., 0., 1.), empty))
+        self.ax_path.legend(fontsize=8, loc='upper right')
+        self.marker = self.ax_map.plot([], [], '*', color='r', ms=13, mec='w')[0]
+        self.surface, self.surface_artists, self.paths = None, [], {}
+        dropdown = widgets.Dropdown(options=list(SURFACES), value=surface, description='surface')
+        dropdown.observe(self._choose_surface, names='value')
+        surface = SURFACES[surface]
+        controls = dict(surface=dropdown,
+                        lr=float_slider('lr (SGD, momentum)', surface.lr, *lr_range(surface.curvatures), log=True),
+                        lr_adaptive=float_slider('lr (RMSProp, Adam)', surface.lr_adaptive, 1e-4, 1., log=True),
+                        beta=float_slider('beta', beta, 0., 0.99, 0.005),
+                        beta2=float_slider('beta2', beta2, 0.5, 0.999, 0.001),
+                        eps=float_slider('eps', eps, 1e-8, 1., log=True),
+                        steps=widgets.IntSlider(value=steps, min=1, max=300, description='steps'))
+        dynamic = [*self.path_lines.values(), *self.loss_lines.values(), self.marker, self.ax_map.title]
+        super().__init__(fig, controls, dynamic)
+
+    def _choose_surface(self, change):
+        "Reset the learning rates to ones that suit the chosen surface (the redraw follows)."
+        surface = SURFACES[change['new']]
+        with self.holding():
+            _set_log_slider(self.controls['lr'], *lr_range(surface.curvatures), surface.lr)
+            self.controls['lr_adaptive'].value = surface.lr_adaptive
+
+    def _show_surface(self, surface):
+        for artist in self.surface_artists: artist.remove()
+        self.surface_artists = plot_surface(self.ax_path, surface)
+        self.surface_artists += plot_rate_map(self.ax_map, surface.curvatures).values()
+        self.ax_map.legend(fontsize=7, loc='lower left')
+        self.surface = surface
+        self.forget_background()
+
+    def update(self, surface, lr, lr_adaptive, beta, beta2, eps, steps):
+        surface = SURFACES[surface]
+        if surface is not self.surface: self._show_surface(surface)
+        for name, opt_func in optimizer_set(lr, lr_adaptive, beta, beta2, eps).items():
+            path = self.paths[name] = trajectory(surface, opt_func, steps)
+            self.path_lines[name].set_data(path[:, 0].numpy(), path[:, 1].numpy())
+            self.loss_lines[name].set_data(np.arange(steps + 1), surface.loss(path).numpy())
+        self._scale_losses(surface, steps)
+        self.marker.set_data([np.log10(lr)], [beta])
+        rate = convergence_rate(lr, beta, surface.curvatures)
+        verdict = 'diverges' if rate >= 1 else f'error x{rate:.3f} per step'
+        self.ax_map.set_title(f"momentum near the minimum: {verdict}", fontsize=10)
+
+    def _scale_losses(self, surface, steps):
+        losses = np.concatenate([line.get_ydata() for line in self.loss_lines.values()])
+        start = surface.loss(surface.start).item()
+        lowest = max(losses[np.isfinite(losses) & (losses > 0)].min(initial=start), start * 1e-12)
+        # limits in whole decades and steps in fifties change rarely, so most redraws reuse the background
+        self.ax_loss.set(xlim=(0, 50 * np.ceil(steps / 50)), ylim=(10 ** np.floor(np.log10(lowest)), 10 ** np.ceil(np.log10(start * 30))))
+
+# %% ../nbs/05_momentum.ipynb #c065
+def record_gradient(model,  # the model to train
+                    batches,  # an iterable of `(x, y)` batches, one step each
+                    opt,  # the optimizer of the model's parameters
+                    weight,  # the parameter tensor to watch
+                    index,  # the index of the watched element in `weight`
+                    loss_func=F.cross_entropy,
+                   ):
+    "Train `model` for one pass over `batches` and return `weight.grad[index]` after every backward pass."
+    grads = []
+    for xb, yb in batches:
+        loss_func(model(xb), yb).backward()
+        grads.append(weight.grad[index].detach().clone())
+        opt.step(); opt.zero_grad()
+    return torch.stack(grads)
+
+# %% ../nbs/05_momentum.ipynb #c068
+class GradientStreamWidget(FigureWidget):
+    "A recorded gradient stream with its momentum average (beta) and its squared average (beta2), raw and debiased."
+    def __init__(self,
+                 grads,  # one weight's gradient at each step (a 1-D tensor or array)
+                 beta=0.9, beta2=0.99,  # starting averaging factors
+                ):
+        self.grads = _as_stream(torch.as_tensor(grads).cpu().numpy())
+        steps = np.arange(1, len(self.grads) + 1)
+        fig = Figure(figsize=(10, 5.2))
+        self.ax_grad, self.ax_sqr = fig.subplots(2, 1, sharex=True)
+        self.ax_grad.plot(steps, self.grads, '.', color='C0', ms=3, alpha=0.5, label='gradient')
+        self.ax_sqr.plot(steps, self.grads ** 2, '.', color='C0', ms=3, alpha=0.5, label='squared gradient')
+        self.lines = {name: ax.plot(steps, np.zeros_like(self.grads), style, color=color, label=name)[0]
+                      for name, ax, style, color in [('momentum', self.ax_grad, '-', 'C3'), ('momentum, debiased', self.ax_grad, '--', 'C2'),
+                                                     ('squared', self.ax_sqr, '-', 'C3'), ('squared, debiased', self.ax_sqr, '--', 'C2')]}
+        self.ax_sqr.set(yscale='log', ylim=(np.percentile(self.grads ** 2, 5), (self.grads ** 2).max() * 2), xlabel='step')
+        self.ax_grad.set_ylim(np.percentile(self.grads, [1, 99]) * 1.2)
+        for ax in (self.ax_grad, self.ax_sqr): ax.legend(fontsize=8, ncol=3, loc='upper right')
+        controls = dict(beta=float_slider('beta', beta, 0., 0.999, 0.001), beta2=float_slider('beta2', beta2, 0., 0.999, 0.001))
+        super().__init__(fig, controls, [*self.lines.values(), self.ax_grad.title])
+
+    def update(self, beta, beta2):
+        self.lines['momentum'].set_ydata(ewma(self.grads, beta))
+        self.lines['momentum, debiased'].set_ydata(debiased_ewma(self.grads, beta))
+        self.lines['squared'].set_ydata(ewma(self.grads ** 2, beta2))
+        self.lines['squared, debiased'].set_ydata(debiased_ewma(self.grads ** 2, beta2))
+        self.ax_grad.set_title(f"beta = {beta:.3f} (about {effective_window(beta):.0f} steps), "
+                               f"beta2 = {beta2:.3f} (about {effective_window(beta2):.0f} steps)", fontsize=10)

@@ -56,7 +56,7 @@ def test_ewma_widget_follows_its_sliders():
     x, y = widget.lines['data'].get_data()
     assert np.allclose(widget.lines['ewma'].get_ydata(), ewma(y, 0.7))
     assert np.allclose(widget.lines['debiased'].get_ydata(), debiased_ewma(y, 0.7))
-    assert np.allclose(widget.lines['weights'].get_ydata(), ewma_weights(0.7, 100))
+    assert np.allclose(widget.lines['weights'].get_ydata(), 0.7 ** np.arange(100))
     assert np.allclose(widget.lines['window'].get_xdata(), effective_window(0.7))
     assert widget.image.value != first_png and widget.image.value[:8] == b'\x89PNG\r\n\x1a\n'
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import difflib
 import os
 import re
+import signal
 import tempfile
+import threading
 import warnings
 from contextlib import contextmanager
 
@@ -21,8 +23,9 @@ from .optimizer import Adam, check_hyper
 __all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'CancelBatchException', 'CancelBackwardException',
            'CancelStepException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
            'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'TrainEvalCallback', 'default_splitter',
-           'Learner', 'add_cbs', 'remove_cbs', 'added_cbs', 'create_opt', 'fit', 'GatherPreds', 'validate', 'get_preds',
-           'predict', 'atomic_save', 'check_state_matches', 'save', 'load', 'EventLog']
+           'Learner', 'add_cbs', 'remove_cbs', 'added_cbs', 'keyboard_interrupt_deferred', 'create_opt', 'fit',
+           'save_checkpoint', 'GatherPreds', 'validate', 'get_preds', 'predict', 'atomic_save', 'check_state_matches',
+           'save', 'load', 'EventLog']
 
 # %% ../nbs/02_learner.ipynb #c004
 class CancelBatchException(Exception):
@@ -155,7 +158,7 @@ class Learner:
         self.lr, self.wd, self.moms, self.splitter = lr, wd, moms, splitter
         self.metrics = list(metrics or [])
         self.opt, self.dl, self.xb, self.yb, self.pred, self.loss, self.loss_grad = None, None, (), (), None, None, None
-        self.n_epoch = self.n_iter = self.epoch = self.iter = self.train_iter = 0
+        self.n_epoch = self.n_iter = self.epoch = self.iter = self.train_iter = self.start_epoch = 0
         self.pct_train, self.training = 0., False
         self.cbs, self._event_tables = [], ({}, {})
         self._events = {}
@@ -267,6 +270,22 @@ def _with_events(self, body, name, cancel_exception):
 Learner.__call__, Learner._with_events = _fire, _with_events
 
 # %% ../nbs/02_learner.ipynb #c022
+@contextmanager
+def keyboard_interrupt_deferred():
+    "Hold a Ctrl-C back until the block has finished, then raise it (on the main thread; elsewhere a no-op)."
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append((signum, frame)))
+    try: yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if received and previous is not signal.SIG_IGN:
+            if callable(previous): previous(*received[0])
+            else: raise KeyboardInterrupt
+
+# %% ../nbs/02_learner.ipynb #c023
 def _loss_with_broadcast_check(loss_func, pred, yb):
     "Call `loss_func`, turning torch's warning about silently broadcasting mismatched shapes into an error."
     with warnings.catch_warnings():
@@ -298,8 +317,11 @@ def _do_one_batch(self):
     self('after_loss')
     if not self.training: return
     self._with_events(self.loss_grad.backward, 'backward', CancelBackwardException)
-    self._with_events(self.opt.step, 'step', CancelStepException)
+    self._with_events(self._step, 'step', CancelStepException)
     self.opt.zero_grad()
+
+def _step(self):
+    with keyboard_interrupt_deferred(): self.opt.step()
 
 def _split_batch(self, batch):
     if not isinstance(batch, (list, tuple)) or len(batch) < 2:
@@ -326,13 +348,13 @@ def _do_epoch(self):
     if self.dls.valid is not None: self._do_validate(self.dls.valid)
 
 def _do_fit(self):
-    for self.epoch in range(self.n_epoch):
+    for self.epoch in range(self.start_epoch, self.n_epoch):
         self._with_events(self._do_epoch, 'epoch', CancelEpochException)
 
-for f in (_compute_loss, _do_one_batch, _split_batch, _all_batches, _set_phase, _do_validate, _do_epoch, _do_fit):
+for f in (_compute_loss, _do_one_batch, _step, _split_batch, _all_batches, _set_phase, _do_validate, _do_epoch, _do_fit):
     setattr(Learner, f.__name__, f)
 
-# %% ../nbs/02_learner.ipynb #c024
+# %% ../nbs/02_learner.ipynb #c025
 def _check_loaders(dls):
     for name in ('train', 'valid'):
         dl = getattr(dls, name)
@@ -359,26 +381,38 @@ def fit(self,
         wd=None,  # weight decay for this fit; None keeps the optimizer's
         cbs=None,  # callbacks used for this fit only
         reset_opt=False,  # create a fresh optimizer (forgetting its state) first
+        resume=None,  # path of a checkpoint to continue from (see `save_checkpoint`)
        ):
     "Train for `n_epoch` epochs."
     _check_fit_args(n_epoch, lr, wd)
     _check_loaders(self.dls)
+    if resume is not None: cbs = list(cbs or []) + [_resume_callback(self, resume, n_epoch)]
     with self.added_cbs(cbs):
         if self.opt is None or reset_opt: self.create_opt()
         if lr is not None: self.opt.set_hyper('lr', lr)
         if wd is not None: self.opt.set_hyper('wd', wd)
-        self.n_epoch = n_epoch
+        self.n_epoch, self.start_epoch = n_epoch, 0
         try: self._with_events(self._do_fit, 'fit', CancelFitException)
         finally: self._cleanup()
 
 def _cleanup(self):
     self._set_phase(False, self.dl)
     self.model.eval()
+    if self.opt is not None: self.opt.zero_grad()
     self('cleanup_fit')
 
-Learner.create_opt, Learner.fit, Learner._cleanup = create_opt, fit, _cleanup
+def _resume_callback(learn, path, n_epoch):
+    from teachloop.checkpoint import Resume  # checkpoint builds on this module, so it is imported when needed
+    return Resume(learn, path, n_epoch)
 
-# %% ../nbs/02_learner.ipynb #c026
+def save_checkpoint(self, path):
+    "Save everything `fit(..., resume=path)` needs to continue exactly (see `teachloop.checkpoint`)."
+    from teachloop.checkpoint import save_checkpoint
+    return save_checkpoint(self, path)
+
+Learner.create_opt, Learner.fit, Learner._cleanup, Learner.save_checkpoint = create_opt, fit, _cleanup, save_checkpoint
+
+# %% ../nbs/02_learner.ipynb #c027
 class GatherPreds(Callback):
     "Collect predictions and targets of the validation batches."
     run_train = False
@@ -409,7 +443,7 @@ def predict(self, x):
 
 Learner.validate, Learner.get_preds, Learner.predict = validate, get_preds, predict
 
-# %% ../nbs/02_learner.ipynb #c027
+# %% ../nbs/02_learner.ipynb #c028
 def atomic_save(obj, path):
     "`torch.save` `obj` to `path` through a temporary file in the same folder, then rename it into place."
     path = os.fspath(path)
@@ -457,7 +491,7 @@ def load(self, path, with_opt=True):
 
 Learner.save, Learner.load = save, load
 
-# %% ../nbs/02_learner.ipynb #c029
+# %% ../nbs/02_learner.ipynb #c030
 class EventLog(Callback):
     "Record the name of every event, in order, in `self.events`."
     def __init__(self, events=EVENTS):

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 NBDEV_FLAGS ?=
 NB_WORKERS ?= 2
 
-.PHONY: demo test test-quick lab export clean-venv browser-deps
+.PHONY: demo test test-quick lab export readme clean-venv browser-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,6 +36,10 @@ lab: $(STAMP)
 
 export: $(STAMP)
 	$(BIN)/nbdev-export
+
+## README.md is the home page notebook, converted (nbdev's own README step needs Quarto).
+readme: $(STAMP)
+	$(BIN)/jupyter nbconvert --to markdown nbs/index.ipynb --stdout 2>/dev/null > README.md
 
 ## Chromium for the browser tests (Debian package; Playwright cannot download browsers here).
 browser-deps:

@@ -1,0 +1,69 @@
+"The project as a whole: generated code in sync, README in sync, the package importable and installable."
+import filecmp
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def test_nbdev_export_leaves_the_library_unchanged(tmp_path):
+    for name in ('pyproject.toml', 'README.md'): shutil.copy(ROOT / name, tmp_path / name)
+    for name in ('nbs', 'teachloop'):
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns('__pycache__', '.ipynb_checkpoints'))
+    subprocess.run([BIN / 'nbdev-export'], cwd=tmp_path, check=True, capture_output=True)
+    exported = sorted(p.name for p in (tmp_path / 'teachloop').glob('*.py'))
+    committed = sorted(p.name for p in (ROOT / 'teachloop').glob('*.py'))
+    assert exported == committed, "run `make export`: the notebooks export other modules than teachloop/ holds"
+    _, mismatch, errors = filecmp.cmpfiles(ROOT / 'teachloop', tmp_path / 'teachloop', committed, shallow=False)
+    assert mismatch == [] and errors == [], f"run `make export`: these modules differ from their notebooks: {mismatch}"
+
+
+def test_readme_is_the_index_notebook():
+    out = subprocess.run([BIN / 'jupyter', 'nbconvert', '--to', 'markdown', str(ROOT / 'nbs' / 'index.ipynb'),
+                          '--stdout'], capture_output=True, text=True, check=True).stdout
+    assert (ROOT / 'README.md').read_text() == out, "run `make readme`: README.md differs from nbs/index.ipynb"
+
+
+def test_readme_names_every_notebook():
+    readme = (ROOT / 'README.md').read_text()
+    missing = [p.stem for p in (ROOT / 'nbs').glob('[0-9]*.ipynb') if f'`{p.stem}`' not in readme]
+    assert missing == [], f"the course table in nbs/index.ipynb does not list {missing}"
+
+
+def test_core_modules_import_without_jupyter_packages():
+    code = ("import sys, teachloop.data, teachloop.optimizer, teachloop.learner, teachloop.callbacks, teachloop.demo;"
+            "bad = [m for m in ('ipywidgets', 'IPython', 'ipykernel', 'jupyter_client', 'nbdev') if m in sys.modules];"
+            "assert not bad, bad")
+    subprocess.run([sys.executable, '-c', code], check=True, cwd=ROOT)
+
+
+@pytest.mark.slow
+def test_built_wheel_gives_a_working_library(tmp_path):
+    subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '-q', '-w', tmp_path / 'dist', ROOT], check=True)
+    wheel, = (tmp_path / 'dist').glob('teachloop-*.whl')
+    subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '--no-deps', '--target', tmp_path / 'site', wheel],
+                   check=True)
+    code = ("import teachloop, torch; from torch.nn import functional as F;"
+            "from teachloop.data import digits_dls, digits_cnn; from teachloop.learner import Learner;"
+            "assert teachloop.__file__.startswith(%r), teachloop.__file__;"
+            "learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, lr=3e-3); learn.fit(1);"
+            "print(learn.recorder.values[-1][2])") % str(tmp_path / 'site')
+    env = {**os.environ, 'PYTHONPATH': str(tmp_path / 'site')}
+    out = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, env=env, capture_output=True, text=True, check=True)
+    assert float(out.stdout.strip().splitlines()[-1]) < 2.3
+
+
+def test_demo_trains_and_writes_the_picture(tmp_path, capsys):
+    from teachloop.demo import train_digits
+    out = tmp_path / 'training.png'
+    learn = train_digits(['--epochs', '2', '--out', str(out)])
+    assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    printed = capsys.readouterr().out
+    assert 'train_loss' in printed and 'accuracy' in printed and str(out) in printed
+    assert len(learn.recorder.values) == 2 and learn.recorder.values[-1][3] > 0.5

@@ -1,0 +1,355 @@
+"""Schedules, ParamScheduler, the fit_* policies and lr_find, checked against the formulas and exact restoration."""
+import copy
+import itertools
+import math
+from functools import partial
+
+import matplotlib
+matplotlib.use('Agg')
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from teachloop.callbacks import smooth_values
+from teachloop.data import DataLoaders, digits_cnn, digits_dls, regression_2d
+from teachloop.learner import EventLog, Learner
+from teachloop.optimizer import SGD, Adam, Optimizer, sgd_step
+from teachloop.schedule import (LRFinder, ParamScheduler, Stepper, annealing_cos, annealing_exp, annealing_linear,
+                                annealing_no, annealing_poly, combine_scheds, combined_cos, longest_descent, minimum,
+                                one_cycle_scheds, preview_values, schedule_pct, sgdr_epochs, slide, steep,
+                                suggest_lrs, valley)
+
+PCTS = [0., 0.1, 0.25, 0.5, 0.77, 1.]
+
+
+# --- annealing functions, against their formulas -------------------------------------------------------------------
+
+@pytest.mark.parametrize('pct', PCTS)
+def test_annealing_functions_match_formulas(pct):
+    start, end = 3.0, 0.2
+    assert annealing_no(start, end, pct) == start
+    assert math.isclose(annealing_linear(start, end, pct), start * (1 - pct) + end * pct)
+    assert math.isclose(annealing_cos(start, end, pct), start + (end - start) * (1 - np.cos(np.pi * pct)) / 2)
+    assert math.isclose(annealing_exp(start, end, pct), math.exp(math.log(start) * (1 - pct) + math.log(end) * pct))
+    for degree in (1, 2, 3.5):
+        assert math.isclose(annealing_poly(degree)(start, end, pct), end + (start - end) * (1 - pct) ** degree)
+
+
+def test_annealing_poly_degree_one_is_linear():
+    for pct in PCTS: assert math.isclose(annealing_poly(1)(5., 1., pct), annealing_linear(5., 1., pct))
+
+
+# --- stepping and combining -----------------------------------------------------------------------------------------
+
+def test_schedule_pct_and_stepper_hit_both_ends():
+    assert [schedule_pct(i, 5) for i in range(5)] == [0., 0.25, 0.5, 0.75, 1.]
+    assert schedule_pct(0, 1) == 0.
+    values = list(Stepper(partial(annealing_exp, 1e-3, 1e1), 5))
+    assert len(values) == 5 and values[0] == 1e-3 and math.isclose(values[-1], 10.)
+    assert all(math.isclose(b / a, 10.) for a, b in zip(values, values[1:]))
+
+
+def test_stepper_rejects_bad_input():
+    with pytest.raises(ValueError, match='n_steps'): Stepper(partial(annealing_no, 1, 1), 0)
+    with pytest.raises(TypeError, match='function of pct'): Stepper(0.1, 3)
+
+
+def test_combine_scheds_boundaries():
+    first, second = partial(annealing_linear, 0., 1.), partial(annealing_linear, 10., 20.)
+    sched = combine_scheds([0.4, 0.6], [first, second])
+    assert sched(0.) == 0.
+    assert math.isclose(sched(0.2), 0.5)
+    assert math.isclose(sched(0.4 - 1e-9), 1., abs_tol=1e-8)  # the end of the first part
+    assert sched(0.4) == 10.  # at the boundary the second part has begun
+    assert math.isclose(sched(0.7), 15.)
+    assert sched(1.) == 20.
+
+
+def test_combine_scheds_three_parts_and_combined_cos():
+    parts = [partial(annealing_no, v, None) for v in (1., 2., 3.)]
+    sched = combine_scheds([0.25, 0.25, 0.5], parts)
+    assert [sched(p) for p in (0., 0.24, 0.25, 0.49, 0.5, 1.)] == [1., 1., 2., 2., 3., 3.]
+    cc = combined_cos(0.3, 1., 5., 2.)
+    assert cc(0.) == 1. and math.isclose(cc(0.3), 5.) and math.isclose(cc(1.), 2.)
+    assert math.isclose(cc(0.15), 3.)
+
+
+@pytest.mark.parametrize('pcts, match', [([0.5, 0.4], 'add up to 1'), ([1.2, -0.2], '> 0'), ([1.], 'one share per')])
+def test_combine_scheds_rejects_bad_shares(pcts, match):
+    with pytest.raises(ValueError, match=match):
+        combine_scheds(pcts, [partial(annealing_no, 1., None)] * 2)
+
+
+# --- ParamScheduler and fit_one_cycle on a tiny problem ---------------------------------------------------------------
+
+def tiny_dls(n_batches, bs=4, valid=True):
+    x, y = regression_2d(n=bs * (n_batches + 2), seed=1)
+    train = [(x[i * bs:(i + 1) * bs], y[i * bs:(i + 1) * bs]) for i in range(n_batches)]
+    return DataLoaders(train, [(x[-2 * bs:], y[-2 * bs:])] if valid else None)
+
+
+def tiny_learner(n_batches, opt_func=Adam, **kwargs):
+    torch.manual_seed(0)
+    learn = Learner(tiny_dls(n_batches), nn.Linear(2, 1), nn.functional.mse_loss, opt_func=opt_func, **kwargs)
+    learn.progress.show_bar = learn.progress.print_rows = False
+    return learn
+
+
+def one_cycle_reference(i, n_steps, lr_max, div, div_final, pct_start, moms):
+    "Learning rate and momentum of batch i of a one-cycle fit, written out from the definition."
+    pct = i / (n_steps - 1)
+    def cos_between(a, b, t): return b + (a - b) * (1 + np.cos(np.pi * t)) / 2
+    if pct < pct_start:
+        t = pct / pct_start
+        return cos_between(lr_max / div, lr_max, t), cos_between(moms[0], moms[1], t)
+    t = (pct - pct_start) / (1 - pct_start)
+    return cos_between(lr_max, lr_max / div_final, t), cos_between(moms[1], moms[2], t)
+
+
+@pytest.mark.parametrize('n_epoch, n_batches', [(1, 17), (3, 3)])
+def test_fit_one_cycle_start_peak_end(n_epoch, n_batches):
+    lr_max, div, div_final, pct_start = 3e-2, 25., 1e5, 0.25
+    learn = tiny_learner(n_batches)
+    learn.fit_one_cycle(n_epoch, lr_max=lr_max)
+    lrs, moms = learn.recorder.hps['lr'], learn.recorder.hps['mom']
+    n_steps = n_epoch * n_batches
+    peak = round(pct_start * (n_steps - 1))  # a whole number for these lengths: a batch lands on the peak
+    assert len(lrs) == n_steps and peak == pct_start * (n_steps - 1)
+    for got, want in ((lrs[0], lr_max / div), (lrs[peak], lr_max), (lrs[-1], lr_max / div_final), (max(lrs), lr_max),
+                      (moms[0], 0.95), (moms[peak], 0.85), (moms[-1], 0.95), (min(moms), 0.85)):
+        assert math.isclose(got, want, rel_tol=1e-6, abs_tol=1e-12), (got, want)
+    for i in range(n_steps):
+        lr, mom = one_cycle_reference(i, n_steps, lr_max, div, div_final, pct_start, (0.95, 0.85, 0.95))
+        assert math.isclose(lrs[i], lr, rel_tol=1e-9) and math.isclose(moms[i], mom, rel_tol=1e-9)
+
+
+def test_fit_one_cycle_custom_moms_and_learner_default_lr():
+    learn = tiny_learner(9, lr=1e-2)
+    learn.fit_one_cycle(1, div=10., div_final=100., pct_start=0.5, moms=(0.9, 0.7, 0.8))
+    lrs, moms = learn.recorder.hps['lr'], learn.recorder.hps['mom']
+    assert math.isclose(lrs[0], 1e-3) and math.isclose(lrs[4], 1e-2) and math.isclose(lrs[-1], 1e-4)
+    assert math.isclose(moms[0], 0.9) and math.isclose(moms[4], 0.7) and math.isclose(moms[-1], 0.8)
+
+
+def test_param_scheduler_records_what_it_set_and_matches_preview():
+    learn = tiny_learner(5)
+    scheds = {'lr': partial(annealing_cos, 0.1, 0.001), 'sqr_mom': partial(annealing_linear, 0.9, 0.99)}
+    scheduler = ParamScheduler(scheds)
+    learn.fit(2, cbs=[scheduler])
+    assert scheduler.hps == preview_values(scheds, 10)
+    assert learn.recorder.hps['lr'] == scheduler.hps['lr'] and learn.recorder.hps['sqr_mom'] == scheduler.hps['sqr_mom']
+    assert learn.opt.hypers[0]['lr'] == scheduler.hps['lr'][-1] == 0.001
+
+
+def test_one_schedule_per_parameter_group():
+    def two_groups(model): return [[model.weight], [model.bias]]
+    learn = tiny_learner(4, opt_func=partial(SGD, mom=0.9), splitter=two_groups)
+    learn.fit_one_cycle(1, lr_max=slice(1e-3, 1e-1))
+    assert [h['lr'] for h in learn.opt.hypers] == pytest.approx([1e-3 / 1e5, 1e-1 / 1e5], rel=1e-9)
+    scheduler = ParamScheduler(one_cycle_scheds([1e-3, 1e-1]))
+    learn.fit(1, cbs=[scheduler])
+    assert scheduler.hps['lr'][0] == pytest.approx([1e-3 / 25, 1e-1 / 25], rel=1e-9)
+    assert [h['lr'] for h in learn.opt.hypers] == scheduler.hps['lr'][-1]
+    assert learn.recorder.hps['lr'] == [v[-1] for v in scheduler.hps['lr']]  # the Recorder keeps the last group's
+
+
+def test_param_scheduler_follows_pct_train():
+    "The schedule is a function of the learner's progress only, so a resumed fit continues it."
+    learn = tiny_learner(4)
+    scheduler = ParamScheduler({'lr': partial(annealing_linear, 1.0, 0.0)})
+    learn.add_cbs([scheduler])
+    learn.n_epoch, learn.n_iter = 2, 4
+    for done in range(8):
+        learn.pct_train = done / 8
+        assert math.isclose(scheduler.schedule_pct(), done / 7)
+
+
+def test_fit_flat_cos_and_sgdr():
+    learn = tiny_learner(5)
+    learn.fit_flat_cos(2, lr=1e-2, pct_start=0.5)
+    lrs = learn.recorder.hps['lr']
+    assert all(math.isclose(v, 1e-2) for v in lrs[:5]) and math.isclose(lrs[-1], 1e-7) and lrs[6] < 1e-2
+    assert sgdr_epochs(3, 1, 2) == [1, 2, 4]
+    learn = tiny_learner(5)
+    learn.fit_sgdr(2, 1, lr_max=1e-2, cycle_mult=3)  # cycles of 1 and 3 epochs: 20 batches, restart at 1/4 of the fit
+    lrs = learn.recorder.hps['lr']
+    restart = next(i for i in range(1, 20) if lrs[i] > lrs[i - 1])
+    assert len(lrs) == 20 and lrs[0] == 1e-2 and restart == 5 and lrs[-1] < 1e-10
+    assert lrs[restart] == pytest.approx(annealing_cos(1e-2, 0., (5 / 19 - 0.25) / 0.75), rel=1e-9)
+
+
+# --- bad input: clear errors, nothing touched -----------------------------------------------------------------------
+
+@pytest.mark.parametrize('kwargs, match', [
+    ({'pct_start': 0.}, 'pct_start'), ({'pct_start': 1.}, 'pct_start'), ({'pct_start': 1.5}, 'pct_start'),
+    ({'div': 0}, 'div'), ({'div_final': -1.}, 'div_final'), ({'moms': (0.9, 0.8)}, 'moms'),
+    ({'moms': (0.9, 1.2, 0.9)}, 'mom'), ({'lr_max': -1.}, 'lr'), ({'wd': -0.1}, 'wd')])
+def test_fit_one_cycle_rejects_bad_input_before_touching_anything(kwargs, match):
+    learn = tiny_learner(4)
+    weights = copy.deepcopy(learn.model.state_dict())
+    with pytest.raises(ValueError, match=match): learn.fit_one_cycle(1, **kwargs)
+    assert all(torch.equal(v, learn.model.state_dict()[k]) for k, v in weights.items())
+    assert learn.recorder.losses == []
+
+
+def test_fit_one_cycle_rejects_bad_n_epoch_and_moms_without_momentum():
+    learn = tiny_learner(4)
+    with pytest.raises(ValueError, match='n_epoch'): learn.fit_one_cycle(0)
+    assert learn.opt is None
+    learn = tiny_learner(4, opt_func=lambda params, lr: Optimizer(params, [sgd_step], lr=lr))
+    with pytest.raises(ValueError, match="no 'mom'"): learn.fit_one_cycle(1, moms=(0.9, 0.8, 0.9))
+    assert learn.recorder.losses == []
+    learn.fit_one_cycle(1)  # without `moms`, only the learning rate is scheduled
+    assert 'mom' not in learn.recorder.hps and len(learn.recorder.hps['lr']) == 4
+
+
+def test_unknown_hyper_name_fails_before_any_batch():
+    learn = tiny_learner(4, cbs=[EventLog()])
+    weights = copy.deepcopy(learn.model.state_dict())
+    with pytest.raises(ValueError, match="no hyper-parameter 'moms'.*'mom'"):
+        learn.fit(1, cbs=[ParamScheduler({'moms': partial(annealing_no, 0.9, None)})])
+    assert 'before_batch' not in learn.event_log.events
+    assert all(torch.equal(v, learn.model.state_dict()[k]) for k, v in weights.items())
+
+
+def test_param_scheduler_rejects_bad_schedules():
+    with pytest.raises(TypeError, match='dict'): ParamScheduler([partial(annealing_no, 1., None)])
+    with pytest.raises(TypeError, match="'lr'"): ParamScheduler({'lr': 0.1})
+    learn = tiny_learner(4)
+    with pytest.raises(ValueError, match='2 schedules'):
+        learn.fit(1, cbs=[ParamScheduler({'lr': [partial(annealing_no, 0.1, None)] * 2})])
+
+
+@pytest.mark.parametrize('kwargs, match', [({'start_lr': 0}, 'start_lr'), ({'end_lr': 1e-8}, 'end_lr'),
+                                           ({'num_it': 1}, 'num_it'), ({'num_it': 2.5}, 'num_it')])
+def test_lr_find_rejects_bad_input(kwargs, match):
+    learn = tiny_learner(4)
+    with pytest.raises(ValueError, match=match): learn.lr_find(show_plot=False, **kwargs)
+    assert learn.opt is None
+
+
+# --- lr_find -----------------------------------------------------------------------------------------------------------
+
+def digits_learner(**kwargs):
+    torch.manual_seed(0)
+    learn = Learner(digits_dls(bs=64), digits_cnn(), nn.functional.cross_entropy, **kwargs)
+    learn.progress.show_bar = False
+    return learn
+
+
+def opt_states_equal(a, b):
+    if a.keys() != b.keys() or a['param_groups'] != b['param_groups']: return False
+    for key in a['state']:
+        sa, sb = a['state'][key], b['state'][key]
+        if sa.keys() != sb.keys(): return False
+        for name in sa:
+            same = torch.equal(sa[name], sb[name]) if torch.is_tensor(sa[name]) else sa[name] == sb[name]
+            if not same: return False
+    return a['state'].keys() == b['state'].keys()
+
+
+def test_lr_find_restores_model_and_optimizer_exactly():
+    learn = digits_learner()
+    learn.fit(1, lr=3e-3)
+    weights, opt_state = copy.deepcopy(learn.model.state_dict()), copy.deepcopy(learn.opt.state_dict())
+    opt = learn.opt
+    suggestions = learn.lr_find(num_it=40, show_plot=False)
+    assert learn.opt is opt and opt_states_equal(learn.opt.state_dict(), opt_state)
+    assert all(torch.equal(v, learn.model.state_dict()[k]) for k, v in weights.items())
+    assert learn.opt.hypers[0]['lr'] == 3e-3
+    assert suggestions._fields == ('valley', 'minimum', 'steep', 'slide')
+    assert len(learn.recorder.lrs) == 40  # the run did happen
+
+
+@pytest.mark.slow
+def test_fit_after_lr_find_equals_fit_without():
+    learn = digits_learner()
+    learn.lr_find(num_it=30, show_plot=False)
+    assert learn.opt is None
+    learn.fit(1, lr=3e-3)
+    twin = digits_learner()
+    twin.fit(1, lr=3e-3)
+    assert all(torch.equal(v, twin.model.state_dict()[k]) for k, v in learn.model.state_dict().items())
+
+
+def test_lr_find_runs_no_validation_and_works_without_validation_set():
+    learn = digits_learner(cbs=[EventLog()])
+    learn.lr_find(num_it=30, show_plot=False)  # 23 batches per epoch: the search spans two epochs
+    events = learn.event_log.events
+    assert events.count('before_epoch') == 2 and 'before_validate' not in events
+    assert learn.dls.valid is not None
+    x, y = regression_2d(n=64)
+    learn = Learner(DataLoaders([(x[i:i + 8], y[i:i + 8]) for i in range(0, 64, 8)], None), nn.Linear(2, 1),
+                    nn.functional.mse_loss, opt_func=SGD)
+    learn.progress.show_bar = False
+    learn.lr_find(num_it=20, end_lr=1e-1, show_plot=False)
+    assert len(learn.recorder.lrs) == 20
+
+
+def test_lr_finder_lrs_and_smoothing_without_stopping():
+    learn = tiny_learner(6, opt_func=SGD)
+    finder = LRFinder(1e-4, 1e-1, num_it=10, stop_div=False)
+    learn.fit(3, cbs=[finder])
+    assert len(finder.lrs) == 10 and finder.lrs[0] == 1e-4 and math.isclose(finder.lrs[-1], 1e-1)
+    assert all(math.isclose(b / a, 1e3 ** (1 / 9)) for a, b in zip(finder.lrs, finder.lrs[1:]))
+    assert all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(finder.smooth_losses, smooth_values(finder.losses)))
+    assert finder.lrs == learn.recorder.lrs
+
+
+def test_lr_finder_stops_when_the_loss_diverges():
+    learn = tiny_learner(50, opt_func=SGD)
+    finder = LRFinder(1e-3, 1e3, num_it=50)
+    learn.fit(1, cbs=[finder])
+    n = len(finder.losses)
+    assert n < 50
+    assert finder.smooth_losses[-1] > 4 * min(finder.smooth_losses) or not math.isfinite(finder.smooth_losses[-1])
+    assert all(s <= 4 * min(finder.smooth_losses[:i + 1]) for i, s in enumerate(finder.smooth_losses[:-1]))
+
+
+# --- suggestions -------------------------------------------------------------------------------------------------------
+
+def test_longest_descent_against_brute_force():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        losses = rng.random(9)
+        best = max(len(c) for r in range(1, 10) for c in itertools.combinations(range(9), r)
+                   if all(losses[a] > losses[b] for a, b in zip(c, c[1:])))
+        chain = longest_descent(losses)
+        assert len(chain) == best and all(losses[a] > losses[b] for a, b in zip(chain, chain[1:]))
+
+
+def test_suggestion_rules_on_a_known_curve():
+    lrs = np.logspace(-6, 0, 61)
+    x = np.log10(lrs)
+    losses = 2 - np.tanh(2 * (x + 3)) + np.where(x > -1, 30 * (x + 1) ** 2, 0)  # falls fastest at 1e-3, blows up after 1e-1
+    assert math.isclose(steep(lrs, losses), 1e-3, rel_tol=1e-6)
+    assert math.isclose(minimum(lrs, losses), lrs[np.argmin(losses)] / 10)
+    chain = longest_descent(losses)
+    assert math.isclose(valley(lrs, losses), lrs[chain[len(chain) // 2]])
+    assert 1e-6 <= slide(lrs, losses) <= lrs[np.argmin(losses)]
+    suggestions = suggest_lrs(list(lrs), list(losses))
+    assert suggestions._fields == ('valley', 'minimum', 'steep', 'slide')
+
+
+def test_lr_find_plot_marks_every_suggestion():
+    learn = digits_learner()
+    plt.close('all')
+    suggestions = learn.lr_find(num_it=30)
+    labels = [line.get_label() for line in plt.gca().get_lines()]
+    for name, lr in suggestions._asdict().items(): assert f"{name}: {lr:.2e}" in labels
+    assert plt.gca().get_xscale() == 'log'
+    plt.close('all')
+
+
+# --- OptimWrapper ------------------------------------------------------------------------------------------------------
+
+def test_param_scheduler_with_optim_wrapper():
+    interop = pytest.importorskip('teachloop.interop', reason='teachloop.interop (OptimWrapper) is not built yet')
+    def opt_func(params, lr): return interop.OptimWrapper(torch.optim.SGD(params, lr=lr, momentum=0.9))
+    learn = tiny_learner(9, opt_func=opt_func)
+    learn.fit_one_cycle(1, lr_max=0.05)
+    lrs, moms = learn.recorder.hps['lr'], learn.recorder.hps['mom']
+    assert math.isclose(lrs[0], 0.05 / 25) and math.isclose(lrs[2], 0.05) and math.isclose(lrs[-1], 0.05 / 1e5)
+    assert math.isclose(moms[2], 0.85) and math.isclose(learn.opt.hypers[0]['lr'], 0.05 / 1e5)

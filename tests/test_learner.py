@@ -80,15 +80,6 @@ def test_cancel_backward_skips_backward_but_not_step():
     assert learn_events == fit_events([epoch_events(cancelled + TRAIN_BATCH, VALID_BATCH)])
 
 
-def test_cancel_backward_leaves_weights_unchanged_for_that_batch():
-    stop_after_first = Raise('before_batch', CancelTrainException, iter=1)
-    stop_after_first.name = 'stop_train'
-    learn = tiny_learner([Raise('before_backward', CancelBackwardException, iter=0), stop_after_first])
-    before = copy.deepcopy(learn.model.state_dict())
-    learn.fit(1)
-    assert all(torch.equal(before[k], v) for k, v in learn.model.state_dict().items())
-
-
 def test_cancel_step():
     events = run_logged(cbs=[Raise('before_step', CancelStepException)])
     cancelled = ['before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step',
@@ -96,10 +87,11 @@ def test_cancel_step():
     assert events == fit_events([epoch_events(cancelled + TRAIN_BATCH, VALID_BATCH)])
 
 
-def test_cancel_step_leaves_weights_unchanged_and_zeroes_gradients():
+@pytest.mark.parametrize('event, exc', [('before_backward', CancelBackwardException), ('before_step', CancelStepException)])
+def test_cancelled_backward_or_step_leaves_weights_unchanged_and_zeroes_gradients(event, exc):
     stop_after_first = Raise('before_batch', CancelTrainException, iter=1)
     stop_after_first.name = 'stop_train'
-    learn = tiny_learner([Raise('before_step', CancelStepException, iter=0), stop_after_first])
+    learn = tiny_learner([Raise(event, exc, iter=0), stop_after_first])
     before = copy.deepcopy(learn.model.state_dict())
     learn.fit(1)
     assert all(torch.equal(before[k], v) for k, v in learn.model.state_dict().items())

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 from .callbacks import accuracy, default_device
 from .data import digits_cnn, digits_dls
 from .learner import Learner
+from .schedule import fit_one_cycle  # adds `Learner.fit_one_cycle`
 
 # %% auto #0
 __all__ = ['plot_training', 'parse_args', 'train_digits', 'main']
@@ -36,7 +37,7 @@ def plot_training(recorder, path=None):
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description="Train a small CNN on handwritten digits and save a picture of the training.")
     parser.add_argument('--epochs', type=int, default=8, help="passes over the training data")
-    parser.add_argument('--lr', type=float, default=3e-3, help="learning rate of Adam")
+    parser.add_argument('--lr', type=float, default=1e-2, help="peak learning rate of Adam's one-cycle schedule")
     parser.add_argument('--bs', type=int, default=64, help="batch size")
     parser.add_argument('--seed', type=int, default=0, help="seed of the weights, the split and the shuffling")
     parser.add_argument('--out', default='training.png', help="where to write the picture")
@@ -57,7 +58,7 @@ def train_digits(argv=None):
     print(f"{len(dls.train.dataset)} training and {len(dls.valid.dataset)} validation digits, "
           f"{sum(p.numel() for p in learn.model.parameters())} weights, on {device}")
     start = time.perf_counter()
-    learn.fit(args.epochs)
+    learn.fit_one_cycle(args.epochs, args.lr)
     plot_training(learn.recorder, args.out)
     print(f"trained in {time.perf_counter() - start:.1f}s; picture of the training written to {args.out}")
     return learn

@@ -132,6 +132,9 @@ def default_splitter(model):
     "One parameter group with all the model's parameters."
     return [list(model.parameters())]
 
+# Methods that later notebooks add to `Learner`, and the module that adds each.
+_METHODS_FROM = {name: 'teachloop.schedule' for name in ('fit_one_cycle', 'fit_flat_cos', 'fit_sgdr', 'lr_find')}
+
 def _describe_shape(t): return tuple(t.shape) if hasattr(t, 'shape') else type(t).__name__
 
 def _add_note(exc, note):
@@ -193,7 +196,9 @@ class Learner:
         if not attr.startswith('_'):
             for cb in self.__dict__.get('cbs', ()):
                 if cb.name == attr: return cb
-        raise AttributeError(f"'Learner' has no attribute or callback named {attr!r}")
+        hint = _METHODS_FROM.get(attr)
+        raise AttributeError(f"'Learner' has no attribute or callback named {attr!r}"
+                             + (f"; `import {hint}` adds it" if hint else ''))
 
     def __repr__(self):
         return f"Learner(model={type(self.model).__name__}, cbs=[{', '.join(type(c).__name__ for c in self.cbs)}])"

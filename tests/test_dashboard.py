@@ -1,0 +1,370 @@
+"Tests of the dashboard notebook: controls, device buffers, downsampling, steering from other threads, background fits."
+import math
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from teachloop import dashboard as dash
+from teachloop.callbacks import DeviceCallback, smooth_values
+from teachloop.dashboard import (BoundedSeries, DeviceBuffer, FitControls, RunningSmoother, SteeringCallback,
+                                 TrainingDashboard, downsample_minmax, fit_background, layer_effective_lrs,
+                                 update_ratios)
+from teachloop.data import DataLoaders, digits_cnn, digits_dls, regression_2d
+from teachloop.learner import Callback, CancelFitException, EventLog, Learner
+from teachloop.optimizer import SGD, Adam
+
+DLS = digits_dls(bs=64)  # for the number of batches; each learner gets fresh loaders (they own a shuffling generator)
+
+
+def digits_learner(seed=0, **kwargs):
+    torch.manual_seed(seed)
+    learn = Learner(digits_dls(bs=64), digits_cnn(), nn.functional.cross_entropy, lr=3e-3, **kwargs)
+    if hasattr(learn, 'progress'): learn.progress.show_bar = learn.progress.print_rows = False
+    return learn
+
+
+def wait_until(condition, timeout=60):
+    "Poll `condition` (a state check, not a timing assertion) until it holds."
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline: raise AssertionError("condition not reached")
+        time.sleep(0.005)
+
+
+# ---- controls -------------------------------------------------------------------------------------------------------
+
+def test_controls_reject_bad_values_without_changing_anything():
+    controls = FitControls()
+    controls.set_hyper('lr', 0.1)
+    for name, value in [('lr', -1.), ('mom', 1.), ('wd', 'big')]:
+        with pytest.raises((ValueError, TypeError), match=name):
+            controls.set_hyper(name, value)
+    assert controls.requested_hypers() == ({'lr': 0.1}, 1)
+
+
+def test_stop_ends_a_pause_and_finish_clears_both():
+    controls = FitControls()
+    controls.pause()
+    assert controls.paused and not controls.wait_while_paused(timeout=0.01)
+    controls.stop()
+    assert controls.stop_requested and not controls.paused and controls.wait_while_paused(timeout=0)
+    controls.pause()  # a stopped fit cannot be paused any more
+    assert not controls.paused
+    controls.finish_fit()
+    assert not controls.stop_requested and not controls.paused
+
+
+def test_controls_count_every_request_from_many_threads():
+    controls = FitControls()
+    def request(i):
+        for k in range(200): controls.set_hyper('lr', (i * 200 + k) * 1e-6)
+    threads = [threading.Thread(target=request, args=(i,)) for i in range(4)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    hypers, version = controls.requested_hypers()
+    assert version == 800 and set(hypers) == {'lr'}
+
+
+# ---- device buffers and bounded series ------------------------------------------------------------------------------
+
+def test_device_buffer_returns_pushed_values_in_order_and_stays_fixed():
+    buffer = DeviceBuffer(capacity=8)
+    seen = []
+    for i in range(100_000):
+        buffer.push(torch.tensor(i * 0.5))
+        if buffer.full: seen.append(buffer.drain())
+    seen.append(buffer.drain())
+    assert buffer.values.numel() == 8 and buffer.count == 0
+    assert np.array_equal(np.concatenate(seen), np.arange(100_000) * 0.5)
+
+
+def test_device_buffer_refuses_a_device_change_with_values_pending():
+    buffer = DeviceBuffer(4)
+    buffer.push(torch.tensor(1.))
+    with pytest.raises(RuntimeError, match='drain'):
+        buffer.push(torch.tensor(1., device='meta'))
+    with pytest.raises(ValueError, match='capacity'):
+        DeviceBuffer(0)
+
+
+def reference_minmax(x, y, n_spans):
+    "For each span (by a plain loop), the indices of its smallest and largest value."
+    edges = np.linspace(x[0], x[-1], n_spans + 1)
+    kept = set()
+    for i in range(n_spans):
+        inside = [j for j in range(len(x)) if edges[i] <= x[j] < edges[i + 1] or (i == n_spans - 1 and x[j] == x[-1])]
+        if inside:
+            kept.add(min(inside, key=lambda j: (y[j], j)))
+            kept.add(max(inside, key=lambda j: (y[j], -j)))
+    return kept
+
+
+@pytest.mark.parametrize('n, n_spans', [(50, 7), (1000, 10), (333, 40)])
+def test_downsampling_keeps_min_and_max_of_every_span(n, n_spans):
+    rng = np.random.default_rng(n)
+    x, y = np.sort(rng.uniform(0, 100, n)), rng.normal(size=n)
+    xs, ys = downsample_minmax(x, y, n_spans)
+    kept = {int(np.flatnonzero(x == v)[0]) for v in xs}
+    ref = reference_minmax(x, y, n_spans)
+    assert {float(y[j]) for j in ref} <= set(ys.tolist())  # every span's extremes are there
+    assert len(xs) <= 2 * n_spans and np.all(np.diff(xs) > 0) and np.array_equal(y[sorted(kept)], ys)
+
+
+def test_bounded_series_over_1e5_points_keeps_spikes_and_memory():
+    rng = np.random.default_rng(1)
+    y = rng.normal(1, 0.1, 100_000)
+    spikes = {12_345: 9., 54_321: -7., 99_998: 4.}
+    for i, v in spikes.items(): y[i] = v
+    series, longest = BoundedSeries(max_points=1000), 0
+    for start in range(0, len(y), 250):
+        series.extend(np.arange(start, start + 250), y[start:start + 250])
+        longest = max(longest, len(series))
+    assert longest <= 1000 + 250 and len(series) <= 1000
+    for i, v in spikes.items(): assert i in series.x.astype(int) and v in series.y
+    assert np.array_equal(y[series.x.astype(int)], series.y)  # only real points, at their own positions
+
+
+def test_running_smoother_continues_across_ticks():
+    values = np.random.default_rng(2).normal(size=101)
+    smoother = RunningSmoother(beta=0.9)
+    parts = [smoother(values[a:b]) for a, b in [(0, 1), (1, 40), (40, 40), (40, 101)]]
+    assert np.allclose(np.concatenate(parts), smooth_values(values, beta=0.9))
+
+
+# ---- layer statistics -----------------------------------------------------------------------------------------------
+
+def test_effective_lr_matches_torch_adam_state():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+    reference = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
+    reference.load_state_dict(model.state_dict())
+    opt = Adam(list(model.parameters()), lr=1e-2, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.)
+    torch_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-5)
+    for _ in range(5):
+        x = torch.randn(16, 5)
+        for m, o in ((model, opt), (reference, torch_opt)):
+            m(x).pow(2).mean().backward(); o.step(); o.zero_grad()
+    params = [model[0].weight, model[1].weight]
+    got = layer_effective_lrs(opt, params, quantiles=(0.1, 0.5, 0.9))
+    for row, p in zip(got, [reference[0].weight, reference[1].weight]):
+        state = torch_opt.state[p]
+        expected = 1e-2 / ((state['exp_avg_sq'] / (1 - 0.99 ** state['step'])).sqrt() + 1e-5)
+        assert torch.allclose(row, torch.quantile(expected.flatten(), torch.tensor([0.1, 0.5, 0.9])), rtol=1e-4)
+
+
+def test_effective_lr_of_sgd_is_its_lr_and_update_ratio_is_the_norm_ratio():
+    w = nn.Parameter(torch.randn(4, 4))
+    opt = SGD([w], lr=0.05)
+    before = [w.detach().clone()]
+    w.grad = torch.randn(4, 4)
+    opt.step()
+    assert torch.allclose(layer_effective_lrs(opt, [w]), torch.full((1, 3), 0.05))
+    assert math.isclose(update_ratios(before, [w]).item(), (0.05 * w.grad.norm() / before[0].norm()).item(), rel_tol=1e-5)
+
+
+# ---- steering a fit from another thread -----------------------------------------------------------------------------
+
+def stop_at(train_iter):
+    class StopAt(Callback):
+        def before_batch(self):
+            if self.training and self.train_iter == train_iter: raise CancelFitException()
+    return StopAt()
+
+
+def test_a_blocking_fit_stopped_from_another_thread_ends_cleanly():
+    steering, log = SteeringCallback(), EventLog()
+    learn = digits_learner(cbs=[steering, log])
+    stopper = threading.Thread(target=lambda: (wait_until(lambda: learn.train_iter >= 7), steering.controls.stop()))
+    stopper.start()
+    learn.fit(50)
+    stopper.join()
+    stopped_at = learn.train_iter
+    assert 7 <= stopped_at < 50 * len(DLS.train)
+    assert log.events[-3:] == ['after_cancel_fit', 'after_fit', 'cleanup_fit']
+    assert len(learn.recorder.losses) == stopped_at and not steering.controls.stop_requested
+    # the weights are those of a fit cancelled at the same batch from inside
+    same = digits_learner(cbs=[stop_at(stopped_at)])
+    same.fit(50)
+    for a, b in zip(learn.model.parameters(), same.model.parameters()): assert torch.equal(a, b)
+
+
+def test_requested_hyper_is_applied_from_the_next_batch_and_held_against_a_schedule():
+    steering = SteeringCallback()
+    class Schedule(Callback):  # sets the lr before every batch, as a scheduler does (lower order)
+        order = 20
+        def before_batch(self):
+            if self.training: self.opt.set_hyper('lr', 1e-3 * (1 + self.train_iter))
+    class Request(Callback):
+        def after_batch(self):
+            if self.training and self.train_iter == 5: steering.controls.set_hyper('lr', 7e-4)
+    learn = digits_learner(cbs=[steering, Schedule(), Request()])
+    learn.fit(1)
+    lrs = learn.recorder.lrs
+    assert lrs[:5] == [1e-3 * (1 + i) for i in range(5)] and set(lrs[5:]) == {7e-4}
+    assert steering.changes == [(5, 'lr', 7e-4)]
+
+
+def test_pause_holds_the_fit_until_resume():
+    steering = SteeringCallback()
+    learn = digits_learner(default_cbs=False, cbs=[steering])
+    steering.controls.pause()
+    handle = fit_background(learn, 1)
+    time.sleep(0.3)
+    assert learn.train_iter == 0 and not handle.done
+    steering.controls.resume()
+    handle.wait(timeout=60)
+    assert learn.train_iter == len(DLS.train) and steering.paused_seconds > 0
+
+
+# ---- background fits ------------------------------------------------------------------------------------------------
+
+class GradModeProbe(Callback):
+    def before_batch(self):
+        if self.training: self.grad_enabled, self.thread = torch.is_grad_enabled(), threading.current_thread()
+
+
+def test_background_fit_gives_the_same_weights_as_a_blocking_one():
+    probe = GradModeProbe()
+    learn = digits_learner(cbs=[probe])
+    handle = fit_background(learn, 2)
+    assert handle.wait(timeout=120) is learn and handle.done and handle.error is None
+    assert probe.grad_enabled and probe.thread is not threading.main_thread()
+    blocking = digits_learner()
+    blocking.fit(2)
+    for a, b in zip(learn.model.parameters(), blocking.model.parameters()): assert torch.equal(a, b)
+    assert learn.recorder.values[-1][1:3] == blocking.recorder.values[-1][1:3]
+
+
+def test_background_fit_takes_the_callers_grad_mode_and_reraises_errors(capsys):
+    learn, probe = digits_learner(), GradModeProbe()
+    with torch.no_grad(): handle = fit_background(learn, 1, cbs=probe)
+    with pytest.raises(RuntimeError, match='grad'):
+        handle.wait(timeout=60)
+    assert probe.grad_enabled is False and 'handle.wait()' in capsys.readouterr().err
+    learn.fit(1)  # the learner is still usable
+
+
+def test_background_fit_checks_arguments_and_refuses_a_second_fit():
+    learn = digits_learner()
+    with pytest.raises(ValueError, match='n_epoch'):
+        fit_background(learn, 0)
+    handle = fit_background(learn, 30)
+    try:
+        with pytest.raises(RuntimeError, match='still training'):
+            fit_background(learn, 1)
+    finally: handle.stop().wait(timeout=60)
+    assert learn.train_iter < 30 * len(DLS.train)
+    with pytest.raises(ValueError, match='steering callbacks'):
+        fit_background(learn, 1, cbs=[SteeringCallback(), TrainingDashboard()])
+
+
+# ---- the dashboard --------------------------------------------------------------------------------------------------
+
+def test_dashboard_series_match_the_recorder(tmp_path):
+    learn = digits_learner(metrics=[])
+    dashboard = TrainingDashboard(refresh=0., save_path=tmp_path / 'final.png')
+    learn.fit(2, cbs=[dashboard])
+    assert np.allclose(dashboard.series['loss'].y, learn.recorder.losses, rtol=1e-6)
+    assert np.allclose(dashboard.series['valid'].y, [row[2] for row in learn.recorder.values], rtol=1e-5)
+    assert dashboard.series['valid'].x.tolist() == [len(DLS.train), 2 * len(DLS.train)]
+    assert dashboard.hyper_series[('lr', 0)].y.tolist() == learn.recorder.lrs
+    assert dashboard.ticks >= 2 * len(DLS.train) and set(dashboard.ratio_series) == set(dashboard.layer_names)
+    assert dashboard.effective_lr.shape == (len(dashboard.layer_names), 3)
+    assert (tmp_path / 'final.png').read_bytes()[:4] == b'\x89PNG'
+
+
+def test_dashboard_memory_is_bounded_over_many_batches():
+    x, y = regression_2d(n=64)
+    batches = [(x[i:i + 2], y[i:i + 2]) for i in range(0, 64, 2)]
+    dls = DataLoaders(batches * 40, None)  # 1280 batches per epoch
+    learn = Learner(dls, nn.Linear(2, 1), nn.functional.mse_loss, opt_func=SGD, lr=0.05, default_cbs=False,
+                    cbs=[DeviceCallback('cpu')])
+    dashboard = TrainingDashboard(refresh=1e9, max_points=200, buffer_size=64)
+    longest = []
+    class Watch(Callback):
+        order = 90
+        def after_batch(self): longest.append(max(len(s) for s in dashboard.series.values()) + dashboard._losses.count)
+    losses = []
+    class Keep(Callback):
+        def after_batch(self): losses.append(self.loss)
+    learn.fit(4, cbs=[dashboard, Watch(), Keep()])
+    losses = torch.stack(losses).numpy()
+    assert max(longest) <= 200 + 64 and dashboard._losses.values.numel() == 64
+    assert dashboard.ticks == math.ceil(len(losses) / 64) + (len(losses) % 64 == 0)
+    assert dashboard.series['loss'].y.max() == losses.max() and dashboard.series['loss'].y.min() == losses.min()
+
+
+SYNC_METHODS = ('item', 'cpu', 'tolist', 'numpy', '__float__', '__bool__', '__int__')
+
+
+def test_no_host_reads_from_the_dashboard_between_ticks(monkeypatch):
+    reads = []
+    for name in SYNC_METHODS:
+        original = getattr(torch.Tensor, name)
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            if sys._getframe(1).f_code.co_filename == dash.__file__: reads.append(_name)
+            return _original(self, *args, **kwargs)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    reads_at_fit_end = []
+    class Probe(Callback):
+        order = 100
+        def after_fit(self): reads_at_fit_end.append(len(reads))
+    learn = digits_learner(default_cbs=False, cbs=[DeviceCallback('cpu')])
+    learn.fit(2, cbs=[TrainingDashboard(refresh=1e9), Probe()])
+    assert reads_at_fit_end == [0] and reads  # none during the fit, the final tick reads
+    reads.clear(); reads_at_fit_end.clear()
+    learn.fit(1, cbs=[TrainingDashboard(refresh=0.), Probe()])
+    assert reads_at_fit_end[0] > 0  # with a tick per batch the probe does see the reads
+
+
+def test_live_widget_draws_frames_and_writes_only_into_the_controls():
+    pytest.importorskip('ipywidgets')
+    learn = digits_learner(opt_func=Adam)
+    dashboard = TrainingDashboard(refresh=0., live=True)
+    handle = fit_background(learn, 1, cbs=[dashboard])
+    widget = dashboard.widget
+    assert widget is not None
+    handle.wait(timeout=120)
+    assert dashboard.frames >= 1 and widget.image.value[:4] == b'\x89PNG'
+    assert f'<span class="tl-frame">{dashboard.frames}</span>' in widget.status.value
+    assert set(widget.sliders) == {'lr', 'mom', 'sqr_mom', 'wd'} and widget.stop_button.disabled
+    widget.sliders['lr'].value = 1e-4
+    widget.sliders['sqr_mom'].value = 0.95
+    assert dashboard.controls.requested_hypers() == ({'lr': 1e-4, 'sqr_mom': 0.95}, 2)
+    widget.stop_button.click()
+    assert dashboard.controls.stop_requested
+
+
+def test_dashboard_rejects_bad_settings():
+    with pytest.raises(ValueError, match='refresh'): TrainingDashboard(refresh=-1)
+    with pytest.raises(ValueError, match='max_points'): BoundedSeries(max_points=2)
+
+
+@pytest.mark.cuda
+def test_background_fit_uses_the_callers_cuda_device_and_no_sync_between_ticks():
+    import warnings
+    torch.cuda.set_device(0)
+    probe = GradModeProbe()
+    class DeviceProbe(Callback):
+        def before_batch(self): self.device = torch.cuda.current_device()
+    device_probe = DeviceProbe()
+    learn = digits_learner(default_cbs=False, cbs=[DeviceCallback('cuda')])
+    fit_background(learn, 1, cbs=[probe, device_probe]).wait(timeout=120)
+    assert device_probe.device == 0 and probe.grad_enabled
+    syncs = []
+    class Probe(Callback):
+        order = 100
+        def after_fit(self): syncs.append(len([w for w in caught if 'synchroniz' in str(w.message)]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        torch.cuda.set_sync_debug_mode('warn')
+        try:
+            learn.fit(2, cbs=[TrainingDashboard(refresh=1e9), Probe()])
+            learn.fit(1, cbs=[TrainingDashboard(refresh=0.), Probe()])
+        finally: torch.cuda.set_sync_debug_mode('default')
+    assert syncs[0] == 0 and syncs[1] > 0

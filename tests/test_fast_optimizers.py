@@ -1,0 +1,127 @@
+"The fast (multi-tensor and fused) step against the per-parameter callbacks, which stay the reference."
+import copy
+import itertools
+from functools import partial
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from teachloop.data import digits_cnn, digits_dls
+from teachloop.fast import FastStep, plan_fast_step
+from teachloop.optimizer import SGD, Adam, Optimizer, RMSProp
+from teachloop.optimizers import LARC, LARS, Lamb, Lion, Lookahead, Nesterov, QHAdam, RAdam
+
+N_STEPS = 100
+
+OPTIMIZERS = {
+    'sgd': partial(SGD, lr=0.05, wd=0.01), 'sgd_momentum': partial(SGD, lr=0.02, mom=0.9),
+    'sgd_momentum_l2': partial(SGD, lr=0.02, mom=0.9, wd=0.01, decouple_wd=False),
+    'rmsprop': partial(RMSProp, lr=1e-3), 'rmsprop_momentum': partial(RMSProp, lr=1e-4, mom=0.9),
+    'adamw': partial(Adam, lr=1e-3, wd=0.05), 'adam_l2': partial(Adam, lr=1e-3, wd=0.05, decouple_wd=False),
+    'nesterov': partial(Nesterov, lr=0.02), 'qhadam': QHAdam, 'radam': partial(RAdam, wd=0.01), 'lamb': Lamb,
+    'lars': partial(LARS, lr=1., wd=5e-4), 'larc': partial(LARC, lr=0.1, wd=5e-4, trust_coeff=0.01),
+    'lion': partial(Lion, wd=0.1),
+    'lookahead_adam': lambda params, fast: Lookahead(Adam(params, lr=1e-3, fast=fast)),
+    'lookahead_sgd': lambda params, fast: Lookahead(SGD(params, lr=0.02, mom=0.9, fast=fast), k=3),
+}
+
+
+@pytest.fixture(scope='module')
+def batches():
+    return list(itertools.islice(itertools.chain.from_iterable(itertools.repeat(list(digits_dls(bs=64).train), 10)),
+                                 N_STEPS))
+
+
+def train(opt_func, fast, batches, no_wd_on_biases=False, switch_at=None):
+    torch.manual_seed(0)
+    model = digits_cnn()
+    opt = opt_func(model.parameters(), fast=fast)
+    if no_wd_on_biases:
+        for p in model.parameters():
+            if p.dim() == 1: opt.state[p]['do_wd'] = False
+    for i, (xb, yb) in enumerate(batches):
+        if i == switch_at: opt.fast = not fast
+        F.cross_entropy(model(xb), yb).backward()
+        opt.step(); opt.zero_grad()
+    return model, opt
+
+
+def max_diff(a, b): return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize('name', OPTIMIZERS)
+def test_fast_step_matches_callbacks(name, batches):
+    reference, reference_opt = train(OPTIMIZERS[name], False, batches)
+    fast, fast_opt = train(OPTIMIZERS[name], True, batches)
+    for p in fast.parameters(): p.grad = torch.zeros_like(p)
+    assert isinstance(fast_opt.fast_step_for(list(fast.parameters())), FastStep)
+    assert max_diff(reference, fast) <= 1e-6
+    for p, q in zip(reference.parameters(), fast.parameters()):
+        assert reference_opt.state[p].keys() == fast_opt.state[q].keys()
+
+
+@pytest.mark.parametrize('name', ['adamw', 'lamb', 'lars', 'radam', 'lion', 'sgd_momentum_l2'])
+def test_parameters_without_weight_decay(name, batches):
+    reference, _ = train(OPTIMIZERS[name], False, batches[:30], no_wd_on_biases=True)
+    fast, _ = train(OPTIMIZERS[name], True, batches[:30], no_wd_on_biases=True)
+    decayed_everywhere, _ = train(OPTIMIZERS[name], True, batches[:30])
+    assert max_diff(reference, fast) <= 1e-6 and max_diff(fast, decayed_everywhere) > 1e-6
+
+
+@pytest.mark.parametrize('name', ['adamw', 'lamb', 'rmsprop'])
+def test_switching_path_mid_training(name, batches):
+    reference, _ = train(OPTIMIZERS[name], False, batches[:40])
+    switched, _ = train(OPTIMIZERS[name], True, batches[:40], switch_at=20)
+    assert max_diff(reference, switched) <= 1e-6
+
+
+def test_automatic_choice_and_override():
+    model = digits_cnn()
+    params = list(model.parameters())
+    for p in params: p.grad = torch.zeros_like(p)
+    assert Adam(params, lr=1e-3).fast_step_for(params) is not None
+    assert Adam(params, lr=1e-3, fast=False).fast_step_for(params) is None
+    custom = Optimizer(params, [lambda p, lr, **kwargs: p.add_(p.grad, alpha=-lr)], lr=0.1)
+    assert custom.fast_step_for(params) is None and plan_fast_step(custom.cbs) is None
+
+
+def test_forcing_the_fast_step_where_it_cannot_run_raises():
+    a, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+    a.grad, b.grad = torch.ones(2), torch.ones(2, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match='no multi-tensor step'):
+        Adam([a, b], lr=0.1, fast=True).step()
+    auto = Adam([a, b], lr=0.1)
+    auto.step()
+    assert auto.state[a]['step'] == auto.state[b]['step'] == 1
+
+
+@pytest.mark.parametrize('ours,theirs', [
+    (partial(SGD, lr=0.1, mom=0.9), partial(torch.optim.SGD, lr=0.1, momentum=0.9)),
+    (partial(RMSProp, lr=0.1), partial(torch.optim.RMSprop, lr=0.1)),
+    (partial(Adam, lr=0.1), partial(torch.optim.AdamW, lr=0.1)),
+    (partial(Lion, lr=0.1), partial(torch.optim.SGD, lr=0.1, momentum=0.9)),
+])
+def test_state_no_larger_than_torch(ours, theirs):
+    "Lion keeps as much as SGD with momentum; the others as much as their torch twins."
+    def state_numel(opt_func):
+        model = digits_cnn()
+        opt = opt_func(model.parameters())
+        F.cross_entropy(model(torch.rand(4, 1, 8, 8)), torch.arange(4)).backward(); opt.step()
+        return sum(v.numel() for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+    assert state_numel(ours) <= state_numel(theirs)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA GPU')
+@pytest.mark.parametrize('name', ['adamw', 'lamb', 'sgd_momentum', 'lion'])
+def test_fast_step_matches_callbacks_on_cuda(name):
+    torch.manual_seed(0)
+    model = digits_cnn().cuda()
+    models = [copy.deepcopy(model), copy.deepcopy(model)]
+    opts = [OPTIMIZERS[name](m.parameters(), fast=fast) for m, fast in zip(models, (False, True))]
+    xb, yb = torch.rand(64, 1, 8, 8, device='cuda'), torch.randint(0, 10, (64,), device='cuda')
+    for _ in range(50):
+        for m, opt in zip(models, opts):
+            F.cross_entropy(m(xb), yb).backward(); opt.step(); opt.zero_grad()
+    assert max_diff(*models) <= 1e-5

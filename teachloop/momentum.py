@@ -258,8 +258,8 @@ def rosenbrock_surface(start=(-1.2, 1.)):
         x, y = points[..., 0], points[..., 1]
         return (1 - x) ** 2 + 100 * (y - x ** 2) ** 2
     def grad(point):
-        x, y = point
-        return torch.stack([-2 * (1 - x) - 400 * x * (y - x ** 2), 200 * (y - x ** 2)])
+        x, y = point.tolist()
+        return torch.tensor([-2 * (1 - x) - 400 * x * (y - x ** 2), 200 * (y - x ** 2)], dtype=torch.float64)
     return Surface('rosenbrock', loss, grad, start, (1., 1.), (-2., 2., -1., 3.), lr=1e-3, lr_adaptive=0.02)
 
 def saddle_surface(start=(-3., 0.005)):
@@ -268,8 +268,8 @@ def saddle_surface(start=(-3., 0.005)):
         x, y = points[..., 0], points[..., 1]
         return 0.5 * x ** 2 + 0.25 * (y ** 2 - 1) ** 2
     def grad(point):
-        x, y = point
-        return torch.stack([x, y * (y ** 2 - 1)])
+        x, y = point.tolist()
+        return torch.tensor([x, y * (y ** 2 - 1)], dtype=torch.float64)
     return Surface('saddle', loss, grad, start, (0., 1.), (-3.5, 3.5, -1.8, 1.8), lr=0.1, lr_adaptive=0.05)
 
 SURFACES = {surface.name: surface for surface in (quadratic_surface(), rosenbrock_surface(), saddle_surface())}
@@ -411,16 +411,16 @@ class TrajectoryWidget(FigureWidget):
     "Paths and losses of SGD, momentum, Nesterov, RMSProp and Adam on a 2-D surface, with heavy ball's rate map."
     def __init__(self,
                  surface='canyon',  # name of the surface in `SURFACES`
-                 steps=100,  # starting step budget (at most 300)
+                 steps=100,  # starting step budget (at most 200)
                  beta=0.9, beta2=0.99, eps=1e-8,  # starting momentum, squared-gradient average and epsilon
                 ):
         import ipywidgets as widgets
         if surface not in SURFACES: raise KeyError(f"unknown surface {surface!r}; choose one of {sorted(SURFACES)}")
         fig = Figure(figsize=(14, 4.3))
         self.ax_path, self.ax_loss, self.ax_map = fig.subplots(1, 3, width_ratios=[1.25, 1, 1])
-        empty = torch.zeros(1, 2, dtype=torch.float64)
+        at_start = SURFACES[surface].start[None]
         self.path_lines, self.loss_lines = plot_paths(self.ax_path, self.ax_loss, SURFACES[surface],
-                                                      dict.fromkeys(optimizer_set(1., 1., 0., 0., 1.), empty))
+                                                      dict.fromkeys(optimizer_set(1., 1., 0., 0., 1.), at_start))
         self.ax_path.legend(fontsize=8, loc='upper right')
         self.marker = self.ax_map.plot([], [], '*', color='r', ms=13, mec='w')[0]
         self.surface, self.surface_artists, self.paths = None, [], {}
@@ -433,7 +433,7 @@ class TrajectoryWidget(FigureWidget):
                         beta=float_slider('beta', beta, 0., 0.99, 0.005),
                         beta2=float_slider('beta2', beta2, 0.5, 0.999, 0.001),
                         eps=float_slider('eps', eps, 1e-8, 1., log=True),
-                        steps=widgets.IntSlider(value=steps, min=1, max=300, description='steps'))
+                        steps=widgets.IntSlider(value=steps, min=1, max=200, description='steps'))
         dynamic = [*self.path_lines.values(), *self.loss_lines.values(), self.marker, self.ax_map.title]
         super().__init__(fig, controls, dynamic)
 
@@ -466,11 +466,9 @@ class TrajectoryWidget(FigureWidget):
         self.ax_map.set_title(f"momentum near the minimum: {verdict}", fontsize=10)
 
     def _scale_losses(self, surface, steps):
-        losses = np.concatenate([line.get_ydata() for line in self.loss_lines.values()])
-        start = surface.loss(surface.start).item()
-        lowest = max(losses[np.isfinite(losses) & (losses > 0)].min(initial=start), start * 1e-12)
-        # limits in whole decades and steps in fifties change rarely, so most redraws reuse the background
-        self.ax_loss.set(xlim=(0, 50 * np.ceil(steps / 50)), ylim=(10 ** np.floor(np.log10(lowest)), 10 ** np.ceil(np.log10(start * 30))))
+        # fixed loss limits and steps in fifties change rarely, so most redraws reuse the background
+        top = 10 ** np.ceil(np.log10(surface.loss(surface.start).item() * 30))
+        self.ax_loss.set(xlim=(0, 50 * np.ceil(steps / 50)), ylim=(top * 1e-14, top))
 
 # %% ../nbs/05_momentum.ipynb #c065
 def record_gradient(model,  # the model to train

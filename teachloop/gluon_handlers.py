@@ -17,13 +17,14 @@ from .callbacks_v1 import check_handler_names, overrides
 from .learner import Callback, CancelFitException, CancelTrainException
 
 # %% auto #0
-__all__ = ['GLUON_EVENTS', 'TrainBegin', 'EpochBegin', 'BatchBegin', 'BatchEnd', 'EpochEnd', 'TrainEnd', 'handlers_by_event',
-           'Metric', 'Loss', 'Estimator', 'validation_copies', 'before_fit', 'before_epoch', 'before_batch',
-           'after_batch', 'after_epoch', 'after_fit', 'evaluate', 'StoppingHandler', 'MetricHandler',
-           'ValidationHandler', 'LoggingHandler', 'CheckpointHandler', 'EarlyStoppingHandler']
+__all__ = ['GLUON_EVENTS', 'TrainBegin', 'EpochBegin', 'BatchBegin', 'BackwardEnd', 'BatchEnd', 'EpochEnd', 'TrainEnd',
+           'handlers_by_event', 'Metric', 'Loss', 'Estimator', 'validation_copies', 'before_fit', 'before_epoch',
+           'before_batch', 'after_backward', 'after_batch', 'after_epoch', 'after_fit', 'evaluate', 'StoppingHandler',
+           'MetricHandler', 'ValidationHandler', 'LoggingHandler', 'CheckpointHandler', 'EarlyStoppingHandler',
+           'GradientClippingHandler']
 
 # %% ../nbs/16_gluon_handlers.ipynb #c005
-GLUON_EVENTS = ('train_begin', 'epoch_begin', 'batch_begin', 'batch_end', 'epoch_end', 'train_end')
+GLUON_EVENTS = ('train_begin', 'epoch_begin', 'batch_begin', 'backward_end', 'batch_end', 'epoch_end', 'train_end')
 
 class TrainBegin:
     "Mixin for handlers that act when training begins."
@@ -36,6 +37,10 @@ class EpochBegin:
 class BatchBegin:
     "Mixin for handlers that act when a training batch begins (kwargs: `batch`)."
     def batch_begin(self, estimator, *args, **kwargs): pass
+
+class BackwardEnd:
+    "Mixin for handlers that act after the backward pass, before the optimizer step (gradients are there)."
+    def backward_end(self, estimator, *args, **kwargs): pass
 
 class BatchEnd:
     "Mixin for handlers that act when a training batch ends (kwargs: `batch`, `pred`, `label`, `loss`); `True` stops training."
@@ -50,7 +55,7 @@ class TrainEnd:
     def train_end(self, estimator, *args, **kwargs): pass
 
 _MIXIN_METHODS = {'train_begin': TrainBegin.train_begin, 'epoch_begin': EpochBegin.epoch_begin,
-                  'batch_begin': BatchBegin.batch_begin, 'batch_end': BatchEnd.batch_end,
+                  'batch_begin': BatchBegin.batch_begin, 'backward_end': BackwardEnd.backward_end, 'batch_end': BatchEnd.batch_end,
                   'epoch_end': EpochEnd.epoch_end, 'train_end': TrainEnd.train_end}
 
 # %% ../nbs/16_gluon_handlers.ipynb #c007
@@ -135,6 +140,7 @@ def before_fit(self):
 
 def before_epoch(self): self._call('epoch_begin')
 def before_batch(self): self._call('batch_begin', batch=(*self.xb, *self.yb))
+def after_backward(self): self._call('backward_end')
 
 def after_batch(self):
     if self._call('batch_end', batch=(*self.xb, *self.yb), pred=self.pred, label=self.y, loss=self.loss):
@@ -165,7 +171,7 @@ def evaluate(self, val_data, val_metrics=None):
     finally: model.train(was_training)
     return metrics
 
-for f in (before_fit, before_epoch, before_batch, after_batch, after_epoch, after_fit, evaluate):
+for f in (before_fit, before_epoch, before_batch, after_backward, after_batch, after_epoch, after_fit, evaluate):
     setattr(Estimator, f.__name__, f)
 
 # %% ../nbs/16_gluon_handlers.ipynb #c016
@@ -334,3 +340,13 @@ class EarlyStoppingHandler(TrainBegin, EpochEnd):
         else: self.wait += 1
         if self.wait > self.patience: self.stopped_epoch = self.current_epoch
         return self.wait > self.patience
+
+# %% ../nbs/16_gluon_handlers.ipynb #c029
+class GradientClippingHandler(BackwardEnd):
+    "Scale the gradients so that their total norm is at most `clip`, before each optimizer step."
+    def __init__(self, clip:float, priority=0):
+        if not clip > 0: raise ValueError(f"clip must be > 0, got {clip}")
+        self.clip, self.priority = clip, priority
+
+    def backward_end(self, estimator, *args, **kwargs):
+        torch.nn.utils.clip_grad_norm_(estimator.net.parameters(), self.clip)

@@ -83,9 +83,9 @@ def _check_no_duplicates(groups):
 
 # %% ../nbs/01_optimizer.ipynb #c013
 def check_state_dict_fits(opt, state_dict):
-    "Raise a `ValueError` saying why `state_dict` cannot be loaded into the optimizer `opt`."
-    ours, theirs = [_callback_name(cb) for cb in opt.cbs], state_dict.get('callbacks')
-    if theirs is not None and list(theirs) != ours:
+    "Raise a `ValueError` saying why `state_dict` cannot be loaded into `opt` (ours or any torch optimizer)."
+    ours, theirs = [_callback_name(cb) for cb in getattr(opt, 'cbs', [])], state_dict.get('callbacks')
+    if hasattr(opt, 'cbs') and theirs is not None and list(theirs) != ours:
         raise ValueError(f"this state was saved by an optimizer running [{', '.join(theirs)}], this one runs "
                          f"[{', '.join(ours)}]; load it into an optimizer built the same way")
     if 'state' not in state_dict or 'param_groups' not in state_dict:

@@ -18,41 +18,46 @@ from .callbacks import to_device
 from .learner import Callback, CancelFitException, atomic_save, check_state_matches
 
 # %% auto #0
-__all__ = ['rng_states', 'saveable_rng', 'set_rng_states', 'grads_look_finite', 'nonfinite_grads', 'NaNCapture', 'NaNReport',
+__all__ = ['rng_states', 'saveable_rng', 'set_rng_states', 'grads_are_finite', 'nonfinite_grads', 'NaNCapture', 'NaNReport',
            'load_capture', 'restore_training_state', 'watch_forward', 'graph_nodes', 'watch_backward', 'replay_nan']
 
 # %% ../nbs/12_nan_capture.ipynb #c004
 _has_cuda = torch.cuda.is_available()
 
-def rng_states():
-    "The states of the random generators a step may use: torch, CUDA (when present), numpy and `random`."
-    states = {'torch': torch.get_rng_state(), 'numpy': np.random.get_state(), 'random': random.getstate()}
+def rng_states(host=True):
+    "The states of the random generators a step may use: torch, CUDA (when present), and with `host` numpy and `random`."
+    states = {'torch': torch.get_rng_state()}
     if _has_cuda: states['cuda'] = torch.cuda.get_rng_state_all()
+    if host: states.update(numpy=np.random.get_state(), random=random.getstate())
     return states
 
 def saveable_rng(states):
     "`states` with numpy's state as tensors and numbers, so that `torch.load(weights_only=True)` accepts it."
+    if 'numpy' not in states: return states
     name, keys, pos, has_gauss, cached = states['numpy']
     return {**states, 'numpy': (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))}
 
 def set_rng_states(states):
     "Put every generator back in the state `rng_states` (or `saveable_rng`) read."
     torch.set_rng_state(states['torch'])
-    name, keys, pos, has_gauss, cached = states['numpy']
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    random.setstate(states['random'])
+    if 'numpy' in states:
+        name, keys, pos, has_gauss, cached = states['numpy']
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if 'random' in states: random.setstate(states['random'])
     if 'cuda' in states and torch.cuda.is_available(): torch.cuda.set_rng_state_all(states['cuda'])
 
 # %% ../nbs/12_nan_capture.ipynb #c008
-def grads_look_finite(grads):
-    "Whether all `grads` (tensors on one device, of one dtype) have finite norms: one host read for all of them."
-    return bool(torch.isfinite(torch.stack(torch._foreach_norm(grads))).all())
+def grads_are_finite(grads):
+    "Whether every value of `grads` (tensors of one device and one dtype) is finite: one kernel, one host read."
+    found_inf = torch.zeros(1, device=grads[0].device)
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.ones(1, device=grads[0].device))
+    return not bool(found_inf)
 
 def nonfinite_grads(named_params):
     "Names of the parameters among `(name, param)` pairs whose gradient holds a NaN or an infinity."
     return [name for name, p in named_params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
 
-# %% ../nbs/12_nan_capture.ipynb #c013
+# %% ../nbs/12_nan_capture.ipynb #c012
 def _all_finite(tensors): return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 class NaNCapture(Callback):
@@ -61,10 +66,11 @@ class NaNCapture(Callback):
     def __init__(self,
                  path,  # file to write the captured step to
                  check_every=1,  # check every this many training steps (see the trade-off above)
+                 host_rngs=True,  # also keep numpy's and Python's random states (most of the callback's cost)
                 ):
         if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
             raise ValueError(f"check_every must be a whole number >= 1, got {check_every!r}")
-        self.path, self.check_every, self.captured = os.fspath(path), check_every, None
+        self.path, self.check_every, self.host_rngs, self.captured = os.fspath(path), check_every, host_rngs, None
         self.name = 'nan_capture'
 
     def before_fit(self):
@@ -75,14 +81,13 @@ class NaNCapture(Callback):
     def _due(self): return self.train_iter % self.check_every == 0
 
     def before_batch(self):
-        if self._due(): self._batch, self._rng = (self.xb, self.yb), rng_states()
+        if self._due(): self._batch, self._rng = (self.xb, self.yb), rng_states(self.host_rngs)
 
     def before_step(self):
         if not self._due(): return
         grads = [p.grad for _, p in self._named if p.grad is not None]
-        if not grads or (grads_look_finite(grads) if self._uniform else _all_finite(grads)): return
-        bad = nonfinite_grads(self._named)
-        if bad: self._capture(bad)
+        if not grads or (grads_are_finite(grads) if self._uniform else _all_finite(grads)): return
+        self._capture(nonfinite_grads(self._named))
 
     def _capture(self, bad):
         atomic_save(self._capture_state(bad), self.path)
@@ -98,7 +103,7 @@ class NaNCapture(Callback):
                 'epoch': self.epoch, 'iter': self.iter, 'train_iter': self.train_iter, 'loss': float(self.loss),
                 'bad_params': bad, 'weights_finite': _all_finite(self.model.parameters())}
 
-# %% ../nbs/12_nan_capture.ipynb #c020
+# %% ../nbs/12_nan_capture.ipynb #c019
 @dataclass
 class NaNReport:
     "What a replayed step showed: whether non-finite gradients came back, and where they started."
@@ -120,7 +125,7 @@ class NaNReport:
         if self.source: lines.append(f"created in the forward pass at:\n{self.source}")
         return '\n'.join(lines + self.notes)
 
-# %% ../nbs/12_nan_capture.ipynb #c021
+# %% ../nbs/12_nan_capture.ipynb #c020
 def load_capture(path):
     "Read a file written by `NaNCapture`, with a clear error when it is not one."
     try: capture = torch.load(path, map_location='cpu', weights_only=True)
@@ -139,7 +144,7 @@ def restore_training_state(learn, model_state, opt_state):
     learn.model.load_state_dict(model_state)
     learn.opt = opt
 
-# %% ../nbs/12_nan_capture.ipynb #c023
+# %% ../nbs/12_nan_capture.ipynb #c022
 def _tensors(value):
     if isinstance(value, torch.Tensor): return [value]
     if isinstance(value, (list, tuple)): return [t for v in value for t in _tensors(v)]
@@ -173,7 +178,7 @@ def watch_backward(loss, found):
         return hook
     return [node.register_hook(hook_for(node)) for node in graph_nodes(loss.grad_fn)]
 
-# %% ../nbs/12_nan_capture.ipynb #c024
+# %% ../nbs/12_nan_capture.ipynb #c023
 def _source_line(node):
     "The innermost frame of the forward call that created `node` (recorded by anomaly mode)."
     trace = (getattr(node, 'metadata', None) or {}).get('traceback_') or []

@@ -1,0 +1,168 @@
+"""NaNCapture and replay_nan: the capture stops before the bad step with the right state, the replay reproduces it."""
+import random
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from teachloop.data import digits_cnn, digits_dls
+from teachloop.learner import Callback, Learner
+from teachloop.nan_capture import (NaNCapture, grads_are_finite, load_capture, nonfinite_grads, replay_nan,
+                                   rng_states, saveable_rng, set_rng_states)
+from teachloop.optimizer import SGD
+
+
+def per_class_loss(pred, target):
+    onehot = F.one_hot(target, pred.shape[1]).float()
+    per_class = F.binary_cross_entropy_with_logits(pred, onehot, reduction='none').sum(0)
+    return (per_class / onehot.sum(0)).mean()
+
+
+class Sqrt(nn.Module):
+    "sqrt is finite at 0 but its gradient is not: NaN gradients from a finite loss."
+    def forward(self, x): return torch.sqrt(x)
+
+
+def dropout_sqrt_model():
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Dropout(0.5), Sqrt(), nn.Linear(16, 10))
+
+
+def quiet_learner(dls, model, loss_func, **kwargs):
+    learn = Learner(dls, model, loss_func, **kwargs)
+    learn.progress.show_bar, learn.progress.print_rows = False, False
+    return learn
+
+
+class EventNames(Callback):
+    def __init__(self): self.events = []
+    def after_cancel_fit(self): self.events.append('after_cancel_fit')
+    def after_fit(self): self.events.append('after_fit')
+    def after_step(self): self.events.append('after_step')
+
+
+def test_rng_states_round_trip_through_a_file(tmp_path):
+    saved = rng_states()
+    torch.save(saveable_rng(saved), tmp_path / 'rng.pt')
+    first = (torch.rand(3), np.random.rand(3), random.random())
+    set_rng_states(torch.load(tmp_path / 'rng.pt', weights_only=True))
+    assert torch.equal(first[0], torch.rand(3)) and np.array_equal(first[1], np.random.rand(3)) and first[2] == random.random()
+    assert set(rng_states(host=False)) <= {'torch', 'cuda'}
+
+
+def test_grads_are_finite_matches_isfinite_and_leaves_grads_unchanged():
+    grads = [torch.randn(5, 3), torch.randn(7)]
+    copies = [g.clone() for g in grads]
+    assert grads_are_finite(grads) and all(torch.equal(a, b) for a, b in zip(grads, copies))
+    for bad in (float('nan'), float('inf'), -float('inf')):
+        grads[1][4] = bad
+        assert not grads_are_finite(grads)
+    layer = nn.Linear(3, 2)
+    layer.weight.grad, layer.bias.grad = torch.ones(2, 3), torch.tensor([0., float('inf')])
+    assert nonfinite_grads(layer.named_parameters()) == ['bias']
+
+
+def test_capture_stops_before_the_bad_step_with_the_weights_of_a_plain_loop(tmp_path):
+    torch.manual_seed(0)
+    init = digits_cnn()
+    model = digits_cnn()
+    model.load_state_dict(init.state_dict())
+    log = EventNames()
+    learn = quiet_learner(digits_dls(bs=32), model, per_class_loss, opt_func=SGD, lr=0.05,
+                          cbs=[NaNCapture(tmp_path / 'nan.pt'), log])
+    learn.fit(2)
+    capture = load_capture(tmp_path / 'nan.pt')
+    k = capture['train_iter']
+    # an independent reference: torch.optim.SGD over the same batches, stopped before step k
+    reference = digits_cnn()
+    reference.load_state_dict(init.state_dict())
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    batches = [b for _, b in zip(range(k + 1), digits_dls(bs=32).train)]
+    for x, y in batches[:k]:
+        per_class_loss(reference(x), y).backward()
+        opt.step(); opt.zero_grad()
+    for a, b in zip(reference.parameters(), learn.model.parameters()):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    x, y = batches[k]
+    assert torch.equal(capture['batch'][0][0], x) and torch.equal(capture['batch'][1][0], y)
+    assert not torch.isfinite(per_class_loss(reference(x), y)) and torch.bincount(y, minlength=10).min() == 0
+    for name, value in learn.model.state_dict().items(): assert torch.equal(value, capture['model'][name])
+    assert capture['weights_finite'] and set(capture['bad_params']) == {n for n, _ in model.named_parameters()}
+    assert (capture['epoch'], capture['iter']) == divmod(k, len(learn.dls.train))
+    assert log.events[-2:] == ['after_cancel_fit', 'after_fit'] and log.events.count('after_step') == k
+    assert all(p.grad is None or (p.grad == 0).all() for p in learn.model.parameters())
+    learn.loss_func = F.cross_entropy
+    learn.fit(1)
+    assert all(torch.isfinite(p).all() for p in learn.model.parameters()) and learn.nan_capture.captured is None
+
+
+def test_replay_reports_the_division_and_its_source_line(tmp_path):
+    torch.manual_seed(0)
+    dls = digits_dls(bs=32)
+    quiet_learner(dls, digits_cnn(), per_class_loss, cbs=[NaNCapture(tmp_path / 'nan.pt')]).fit(2)
+    fresh = quiet_learner(dls, digits_cnn(), per_class_loss)
+    report = replay_nan(fresh, tmp_path / 'nan.pt')
+    assert report.recurred and report.first_forward is None and report.first_backward == 'DivBackward0'
+    assert 'per_class / onehot.sum(0)' in report.source and report.loss == float('inf')
+    capture = load_capture(tmp_path / 'nan.pt')
+    for name, value in fresh.model.state_dict().items(): assert torch.equal(value, capture['model'][name])
+    assert all(p.grad is None for p in fresh.model.parameters()) and not fresh.model.training
+    assert 'DivBackward0' in str(report)
+
+
+def test_replay_restores_the_dropout_mask_and_finds_sqrt(tmp_path):
+    torch.manual_seed(1)
+    dls = digits_dls(bs=32)
+    learn = quiet_learner(dls, dropout_sqrt_model(), F.cross_entropy, cbs=[NaNCapture(tmp_path / 'nan.pt')])
+    learn.fit(1)
+    capture = load_capture(tmp_path / 'nan.pt')
+    assert np.isfinite(capture['loss'])
+    torch.manual_seed(123)  # the replay must not depend on the current random state
+    report = replay_nan(quiet_learner(dls, dropout_sqrt_model(), F.cross_entropy), tmp_path / 'nan.pt')
+    assert report.recurred and report.loss == capture['loss']
+    assert report.first_forward is None and report.first_backward == 'SqrtBackward0' and 'torch.sqrt' in report.source
+
+
+def test_replay_finds_the_first_module_with_a_non_finite_output(tmp_path):
+    class Log(nn.Module):
+        def forward(self, x): return torch.log(x)
+    def model(): return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), Log(), nn.Linear(16, 10))
+    torch.manual_seed(0)
+    dls = digits_dls(bs=32)
+    quiet_learner(dls, model(), F.cross_entropy, cbs=[NaNCapture(tmp_path / 'nan.pt')]).fit(1)
+    report = replay_nan(quiet_learner(dls, model(), F.cross_entropy), tmp_path / 'nan.pt')
+    assert report.recurred and report.first_forward == '3'
+
+
+class NaNGradientAt(Callback):
+    "Put a NaN into the first gradient at training step `step`, before NaNCapture (order 20) looks."
+    order = 15
+    def __init__(self, step): self.step = step
+    def after_backward(self):
+        if self.train_iter == self.step: next(self.model.parameters()).grad.view(-1)[0] = float('nan')
+
+
+@pytest.mark.parametrize('check_every, captured_at, weights_finite', [(1, 1, True), (3, 3, False)])
+def test_check_every_checks_only_every_kth_step(tmp_path, check_every, captured_at, weights_finite):
+    torch.manual_seed(0)
+    learn = quiet_learner(digits_dls(bs=32), digits_cnn(), F.cross_entropy,
+                          cbs=[NaNCapture(tmp_path / 'nan.pt', check_every=check_every), NaNGradientAt(1)])
+    learn.fit(1)
+    capture = load_capture(tmp_path / 'nan.pt')
+    assert capture['train_iter'] == captured_at and capture['weights_finite'] == weights_finite
+
+
+def test_replay_refuses_files_that_do_not_fit(tmp_path):
+    torch.manual_seed(0)
+    dls = digits_dls(bs=32)
+    quiet_learner(dls, digits_cnn(), per_class_loss, cbs=[NaNCapture(tmp_path / 'nan.pt')]).fit(1)
+    other = quiet_learner(dls, nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), per_class_loss)
+    before = [p.clone() for p in other.model.parameters()]
+    with pytest.raises(ValueError, match='do not fit this model'): replay_nan(other, tmp_path / 'nan.pt')
+    assert all(torch.equal(a, b) for a, b in zip(before, other.model.parameters())) and other.opt is None
+    torch.save({'model': {}}, tmp_path / 'other.pt')
+    with pytest.raises(ValueError, match='not written by NaNCapture'): replay_nan(other, tmp_path / 'other.pt')
+    (tmp_path / 'cut.pt').write_bytes((tmp_path / 'nan.pt').read_bytes()[:100])
+    with pytest.raises(ValueError, match='could not read'): replay_nan(other, tmp_path / 'cut.pt')
+    with pytest.raises(ValueError, match='check_every'): NaNCapture(tmp_path / 'x.pt', check_every=0)

@@ -1,0 +1,180 @@
+"""The dashboard in a real browser: JupyterLab in headless Chromium runs a background fit with `TrainingDashboard`.
+
+Checks that the frame counter rises during the fit, that dragging the lr slider changes the lr the fit records for
+later batches, and that Stop ends the fit with the learner's history kept. Saves a screenshot to artifacts/.
+"""
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(300)]
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOK = ROOT / 'tests' / 'browser' / 'dashboard_fit.ipynb'
+ARTIFACTS = ROOT / 'artifacts'
+CHROMIUM = shutil.which('chromium') or '/usr/bin/chromium'
+CHROMIUM_ARGS = ['--no-sandbox', '--disable-gpu', '--disable-background-networking', '--disable-component-update',
+                 '--disable-sync', '--no-first-run', '--disable-quic']
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+
+def wait_for(condition, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = condition()
+        if value: return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def server_ready(url, process):
+    if process.poll() is not None: raise AssertionError(f"JupyterLab exited with code {process.returncode}")
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response: return response.status == 200
+    except OSError: return False
+
+
+@pytest.fixture
+def jupyter_lab(tmp_path):
+    "JupyterLab on a free localhost port, serving a copy of the test notebook; always shut down afterwards."
+    if not os.path.exists(CHROMIUM): pytest.skip("chromium is not installed (`make browser-deps` installs it as root)")
+    pytest.importorskip('playwright.sync_api', reason="the playwright package is not installed")
+    jupyter = Path(sys.executable).parent / 'jupyter'
+    if not jupyter.exists(): pytest.skip(f"no jupyter next to {sys.executable}")
+    shutil.copy(NOTEBOOK, tmp_path / NOTEBOOK.name)
+    port, token = free_port(), secrets.token_hex(16)
+    env = {k: v for k, v in os.environ.items() if k != 'IN_TEST'}
+    env.update(OMP_NUM_THREADS='1', TEACHLOOP_BROWSER_RESULT=str(tmp_path / 'result.json'),
+               JUPYTER_RUNTIME_DIR=str(tmp_path / 'runtime'), JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / 'workspaces'))
+    log = open(tmp_path / 'server.log', 'w')
+    process = subprocess.Popen(
+        [str(jupyter), 'lab', '--no-browser', f'--ServerApp.token={token}', '--ServerApp.ip=127.0.0.1',
+         f'--ServerApp.port={port}', '--ServerApp.port_retries=0', f'--ServerApp.root_dir={tmp_path}', '--allow-root',
+         f'--LabApp.workspaces_dir={tmp_path / "workspaces"}'],
+        cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_for(lambda: server_ready(f'http://127.0.0.1:{port}/api/status?token={token}', process), 90, 'JupyterLab')
+        yield dict(url=f'http://127.0.0.1:{port}/lab/tree/{NOTEBOOK.name}?token={token}', tmp=tmp_path,
+                   result=tmp_path / 'result.json', log=tmp_path / 'server.log')
+    finally:
+        for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+            if process.poll() is not None: break
+            try: os.killpg(process.pid, sig)
+            except ProcessLookupError: break
+            try: process.wait(grace)
+            except subprocess.TimeoutExpired: pass
+        log.close()
+
+
+def frame_count(page):
+    counter = page.locator('.tl-frame')
+    return int(counter.inner_text()) if counter.count() else 0
+
+
+def open_notebook(page, url):
+    page.goto(url, timeout=90_000)
+    page.wait_for_selector('.jp-Notebook .jp-Cell', timeout=90_000)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # a "Select Kernel" dialog may come first
+        accept = page.locator('.jp-Dialog .jp-mod-accept')
+        if accept.count(): accept.first.click()
+        if page.locator('.jp-Notebook-ExecutionIndicator[data-status="idle"]').count(): return
+        time.sleep(0.3)
+    raise AssertionError("the kernel did not become idle")
+
+
+def run_first_cell(page, attempts=3):
+    "Run the notebook's cell; a run sent while the kernel connection is still settling can be dropped, so retry."
+    prompt = page.locator('.jp-Cell .jp-InputPrompt').first
+    for _ in range(attempts):
+        page.locator('.jp-Cell .jp-InputArea-editor').first.click()
+        page.keyboard.press('Control+Enter')
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if any(c == '*' or c.isdigit() for c in prompt.inner_text()): return
+            time.sleep(0.3)
+    raise AssertionError(f"the cell did not start running (prompt {prompt.inner_text()!r})")
+
+
+def dismiss_news(page):
+    "Answer JupyterLab's question about news, which would cover part of the screenshot."
+    no = page.get_by_role('button', name='No', exact=True)
+    if no.count(): no.first.click()
+
+
+def drag_slider_left(page, selector, pixels):
+    handle = page.locator(f'{selector} .noUi-handle').first
+    box = handle.bounding_box()
+    x, y = box['x'] + box['width'] / 2, box['y'] + box['height'] / 2
+    page.mouse.move(x, y)
+    page.mouse.down()
+    for step in range(1, 11): page.mouse.move(x - pixels * step / 10, y)
+    page.mouse.up()
+
+
+def test_dashboard_in_jupyterlab(jupyter_lab):
+    from playwright.sync_api import sync_playwright
+    timings, start = {}, time.monotonic()
+    ARTIFACTS.mkdir(exist_ok=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        page = browser.new_page(viewport={'width': 1300, 'height': 1000})
+        try:
+            open_notebook(page, jupyter_lab['url'])
+            timings['notebook open'] = time.monotonic() - start
+            run_first_cell(page)
+
+            # (a) frames are drawn during the fit
+            first = wait_for(lambda: frame_count(page), 120, 'the first frame')
+            timings['first frame'] = time.monotonic() - start
+            wait_for(lambda: frame_count(page) >= first + 3, 60, 'more frames')
+            dismiss_news(page)
+            page.locator('.tl-dashboard').screenshot(path=str(ARTIFACTS / 'dashboard.png'))
+
+            # (b) the lr slider steers the running fit
+            before = page.locator('.tl-lr-slider .widget-readout').inner_text()
+            drag_slider_left(page, '.tl-lr-slider', 40)
+            readout = wait_for(lambda: (t := page.locator('.tl-lr-slider .widget-readout').inner_text()) != before and t,
+                               10, 'the slider readout to change')
+            frames_after_drag = frame_count(page)
+            wait_for(lambda: frame_count(page) >= frames_after_drag + 8, 60, 'frames after the slider change')
+            page.locator('.tl-dashboard').screenshot(path=str(ARTIFACTS / 'dashboard_after_slider.png'))
+
+            # (c) Stop ends the fit, and the learner keeps its history
+            page.locator('.tl-dashboard button', has_text='Stop').click()
+            wait_for(jupyter_lab['result'].exists, 60, 'the fit to end after Stop')
+            timings['stopped'] = time.monotonic() - start
+        except BaseException:
+            page.screenshot(path=str(ARTIFACTS / 'dashboard_failure.png'))
+            print(jupyter_lab['log'].read_text()[-3000:])
+            raise
+        finally:
+            browser.close()
+
+    result = json.loads(jupyter_lab['result'].read_text())
+    print('timings (s):', {k: round(v, 1) for k, v in timings.items()}, 'frames:', result['frames'])
+    assert result['prefix'] == sys.prefix, "the kernel must run the project's virtual environment"
+    assert result['error'] is None and result['frames'] > first
+    lr_changes = [(step, value) for step, name, value in result['changes'] if name == 'lr']
+    assert len(lr_changes) == 1, result['changes']
+    step, new_lr = lr_changes[0]
+    assert new_lr < 3e-3 and abs(new_lr - float(readout)) <= 0.01 * new_lr
+    lrs = result['lrs']
+    assert set(lrs[:step]) == {3e-3} and set(lrs[step:]) == {new_lr} and step < len(lrs)
+    assert result['n_losses'] == result['train_iter'] == len(lrs) < result['n_batches']
+    assert len(result['values']) >= 1 and all(len(row) == 5 for row in result['values'])

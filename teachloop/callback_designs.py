@@ -128,9 +128,11 @@ for _event in EVENTS: setattr(AllEventsCallback, _event, _count_call)
 class CallEveryCallback(Learner):
     "A `Learner` that calls, at every event, that method of every callback (no per-event tables)."
     def __call__(self, event):
-        for cb in self.cbs: getattr(cb, event, _nothing)()
-
-def _nothing(): pass
+        for cb in self.cbs:
+            # Looked up on the class (then the instance), not through a callback's fallthrough to the learner.
+            method = getattr(type(cb), event, None)
+            if method is not None: method(cb)
+            elif event in cb.__dict__: cb.__dict__[event]()
 
 # %% ../nbs/18_callback_designs.ipynb #c018
 def one_event_callbacks(n, tally, base=Callback):

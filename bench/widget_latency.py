@@ -10,6 +10,7 @@ artists, drawing, PNG encoding). Three ways of producing the picture are timed s
 Run: `.venv/bin/python bench/widget_latency.py`
 """
 import io
+import os
 import statistics
 import time
 
@@ -74,6 +75,8 @@ def main():
         ('TrajectoryWidget (rosenbrock, 200), beta', lambda: TrajectoryWidget('rosenbrock', steps=200), 'beta', betas),
         ('GradientStreamWidget (180 steps), beta', lambda: GradientStreamWidget(grads), 'beta', betas),
     ]
+    print(f"torch threads 1, load average before the run {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
+          "(other work on the machine slows every column alike)")
     print(f"{'widget, slider':42s} {'image, blit (used)':44s} {'image, full draw':44s} output, savefig")
     for label, make, name, values in cases:
         results = [method(make(), name, values) for method in (slider_moves, full_draw_moves, savefig_moves)]

@@ -20,13 +20,14 @@ from matplotlib.figure import Figure
 
 from .data import noisy_parabola
 from .optimizer import SGD, Adam, RMSProp
+from .optimizers import Nesterov
 
 # %% auto #0
 __all__ = ['SURFACES', 'check_beta', 'ewma', 'plot_ewma', 'debiased_ewma', 'effective_window', 'ewma_weights', 'float_slider',
            'FigureWidget', 'EWMAWidget', 'Surface', 'quadratic_surface', 'rosenbrock_surface', 'saddle_surface',
-           'nesterov_sgd', 'optimizer_set', 'trajectory', 'plot_surface', 'plot_paths', 'heavy_ball_roots',
-           'heavy_ball_rate', 'convergence_rate', 'critical_beta', 'stable_lr', 'optimal_momentum', 'lr_range',
-           'rate_map', 'plot_rate_map', 'TrajectoryWidget', 'record_gradient', 'GradientStreamWidget']
+           'optimizer_set', 'trajectory', 'plot_surface', 'plot_paths', 'heavy_ball_roots', 'heavy_ball_rate',
+           'convergence_rate', 'critical_beta', 'stable_lr', 'optimal_momentum', 'lr_range', 'rate_map',
+           'plot_rate_map', 'TrajectoryWidget', 'record_gradient', 'GradientStreamWidget']
 
 # %% ../nbs/05_momentum.ipynb #c005
 def check_beta(beta, name='beta'):
@@ -275,20 +276,11 @@ def saddle_surface(start=(-3., 0.005)):
 SURFACES = {surface.name: surface for surface in (quadratic_surface(), rosenbrock_surface(), saddle_surface())}
 
 # %% ../nbs/05_momentum.ipynb #c038
-def nesterov_sgd(params, lr, mom):
-    "SGD with Nesterov momentum `mom` (plain SGD for `mom` = 0)."
-    if mom == 0: return SGD(params, lr=lr)
-    try:
-        from teachloop.optimizers import Nesterov
-    except ImportError:
-        return torch.optim.SGD(params, lr=lr, momentum=mom, nesterov=True)
-    return Nesterov(params, lr=lr, mom=mom)
-
 def optimizer_set(lr, lr_adaptive, beta, beta2, eps):
     "The five optimizers compared on the surfaces, by name, as functions of the parameters."
     return {'SGD': partial(SGD, lr=lr),
             'momentum': partial(SGD, lr=lr, mom=beta),
-            'Nesterov': partial(nesterov_sgd, lr=lr, mom=beta),
+            'Nesterov': partial(Nesterov, lr=lr, mom=beta),
             'RMSProp': partial(RMSProp, lr=lr_adaptive, sqr_mom=beta2, eps=eps),
             'Adam': partial(Adam, lr=lr_adaptive, mom=beta, sqr_mom=beta2, eps=eps, wd=0.)}
 
@@ -389,9 +381,10 @@ def plot_rate_map(ax, curvatures):
     import matplotlib
     rates, lrs, betas = rate_map(curvatures)
     cmap = matplotlib.colormaps['viridis'].with_extremes(over='0.88')
-    artists = {'map': ax.imshow(rates, origin='lower', aspect='auto', cmap=cmap, vmin=0, vmax=1,
+    # colours from the best rate possible (darkest) to 1, where the useful differences are
+    artists = {'map': ax.imshow(rates, origin='lower', aspect='auto', cmap=cmap, vmin=optimal_momentum(curvatures)[2], vmax=1,
                                 extent=(np.log10(lrs[0]), np.log10(lrs[-1]), betas[0], betas[-1]))}
-    styles = {'stability bound': dict(color='w', ls='--', lw=1.2), 'optimum': dict(color='w', marker='x', ls='', ms=8)}
+    styles = {'stability bound': dict(color='k', ls='--', lw=1.2), 'optimum': dict(color='w', mec='k', marker='X', ls='', ms=9)}
     critical_colors = iter(['C1', 'C3'])
     for name, (x, y) in _map_lines(curvatures, betas).items():
         style = styles[name] if name in styles else dict(color=next(critical_colors), lw=0.8)

@@ -7,9 +7,10 @@ import torch
 
 from teachloop.momentum import (SURFACES, EWMAWidget, GradientStreamWidget, TrajectoryWidget, convergence_rate,
                                 critical_beta, debiased_ewma, effective_window, ewma, ewma_weights, heavy_ball_rate,
-                                heavy_ball_roots, nesterov_sgd, optimal_momentum, optimizer_set, rate_map,
+                                heavy_ball_roots, optimal_momentum, optimizer_set, rate_map,
                                 stable_lr, trajectory)
 from teachloop.optimizer import SGD, Adam, RMSProp
+from teachloop.optimizers import Nesterov
 
 rng = np.random.default_rng(0)
 
@@ -112,7 +113,7 @@ def pairs(surface, beta=0.9, beta2=0.99, eps=1e-8):
     return {
         'SGD': (partial(SGD, lr=lr), partial(torch.optim.SGD, lr=lr)),
         'momentum': (partial(SGD, lr=lr, mom=beta), partial(torch.optim.SGD, lr=lr, momentum=beta)),
-        'Nesterov': (partial(nesterov_sgd, lr=lr, mom=beta), partial(torch.optim.SGD, lr=lr, momentum=beta, nesterov=True)),
+        'Nesterov': (partial(Nesterov, lr=lr, mom=beta), partial(torch.optim.SGD, lr=lr, momentum=beta, nesterov=True)),
         'RMSProp': (partial(RMSProp, lr=lr_adaptive, sqr_mom=beta2, eps=eps),
                     partial(torch.optim.RMSprop, lr=lr_adaptive, alpha=beta2, eps=eps)),
         'Adam': (partial(Adam, lr=lr_adaptive, mom=beta, sqr_mom=beta2, eps=eps, wd=0.),
@@ -241,3 +242,12 @@ def test_gradient_stream_widget_follows_its_sliders():
     assert np.allclose(widget.lines['momentum, debiased'].get_ydata(), debiased_ewma(g, 0.8))
     assert np.allclose(widget.lines['squared'].get_ydata(), ewma(g ** 2, 0.95))
     assert np.allclose(widget.lines['squared, debiased'].get_ydata(), debiased_ewma(g ** 2, 0.95))
+
+def test_trajectory_widget_without_momentum():
+    widget = TrajectoryWidget(steps=30)
+    widget.controls['beta'].value = 0.
+    # with beta = 0, heavy ball and Nesterov are plain SGD, and the star sits on the map's bottom edge
+    sgd = widget.path_lines['SGD'].get_data()
+    assert np.allclose(widget.path_lines['momentum'].get_data(), sgd)
+    assert np.allclose(widget.path_lines['Nesterov'].get_data(), sgd)
+    assert widget.marker.get_ydata()[0] == 0.

@@ -15,20 +15,20 @@ from torch import nn
 
 from .callbacks import Recorder
 from .callbacks_v1 import CallbackHandler, GradientClipping, V1Callback
+from .checkpoint import EarlyStopping
 from .data import DataLoaders, digits_cnn, digits_dls
 from .event_filters import FuncCallback
 from .gluon_handlers import (BatchEnd, EarlyStoppingHandler, EpochEnd, Estimator, GradientClippingHandler,
                                       Loss, ValidationHandler)
-from .learner import EVENTS, Callback, CancelFitException, Learner
+from .learner import EVENTS, Callback, Learner
 
 # %% auto #0
-__all__ = ['SETTINGS', 'DesignRun', 'TRAINING_BATCH_EVENTS', 'digits_learner', 'ClipGradients', 'EarlyStopping',
-           'fit_teachloop_style', 'V1EarlyStopping', 'V1LogEvery', 'fit_v1_style', 'GluonLogEvery', 'KeepValues',
-           'fit_gluon_style', 'AllEventsCallback', 'CallEveryCallback', 'one_event_callbacks', 'dispatch_learner',
-           'dispatch_cost']
+__all__ = ['SETTINGS', 'DesignRun', 'TRAINING_BATCH_EVENTS', 'digits_learner', 'ClipGradients', 'fit_teachloop_style',
+           'V1EarlyStopping', 'V1LogEvery', 'fit_v1_style', 'GluonLogEvery', 'KeepValues', 'fit_gluon_style',
+           'AllEventsCallback', 'CallEveryCallback', 'one_event_callbacks', 'dispatch_learner', 'dispatch_cost']
 
 # %% ../nbs/18_callback_designs.ipynb #c005
-SETTINGS = dict(n_epoch=3, clip=0.5, log_every=10, patience=0, min_delta=1.2)
+SETTINGS = dict(n_epoch=3, clip=0.5, log_every=10, patience=1, min_delta=1.2)
 
 DesignRun = namedtuple('DesignRun', 'logged valid_losses epochs_run weights')
 
@@ -47,37 +47,27 @@ class ClipGradients(Callback):
     def __init__(self, clip): self.clip = clip
     def after_backward(self): nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
 
-class EarlyStopping(Callback):
-    "Stop when the validation loss has not improved by more than `min_delta` for more than `patience` epochs."
-    order = Recorder.order + 1
-    def __init__(self, patience=0, min_delta=0.): self.patience, self.min_delta = patience, min_delta
-    def before_fit(self): self.best, self.wait = math.inf, 0
-    def after_epoch(self):
-        value = self.recorder.last_valid[0]
-        if value < self.best - self.min_delta: self.best, self.wait = value, 0
-        else: self.wait += 1
-        if self.wait > self.patience: raise CancelFitException()
-
 def fit_teachloop_style(n_epoch, clip, log_every, patience, min_delta, seed=0):
     "The three features as teachloop callbacks."
     logged = []
     log = FuncCallback(after_batch=lambda learn: logged.append((learn.train_iter, learn.loss.item())),
                        run_valid=False, name='log_every').every(log_every)
-    learn, _ = digits_learner(seed, [Recorder(), ClipGradients(clip), EarlyStopping(patience, min_delta), log])
+    stopper = EarlyStopping('valid_loss', 'min', patience, min_delta, restore_best=False)
+    learn, _ = digits_learner(seed, [Recorder(), ClipGradients(clip), stopper, log])
     learn.fit(n_epoch)
     return DesignRun(logged, [row[2] for row in learn.recorder.values], learn.epoch + 1, _weights(learn.model))
 
 # %% ../nbs/18_callback_designs.ipynb #c009
 class V1EarlyStopping(V1Callback):
-    "Stop when `last_metrics[0]` (the validation loss) has not improved by more than `min_delta` for more than `patience` epochs."
-    def __init__(self, patience=0, min_delta=0.): self.patience, self.min_delta, self.valid_losses = patience, min_delta, []
+    "Stop when `last_metrics[0]` (the validation loss) has not improved by more than `min_delta` for `patience` epochs."
+    def __init__(self, patience=1, min_delta=0.): self.patience, self.min_delta, self.valid_losses = patience, min_delta, []
     def on_train_begin(self, **kwargs): self.best, self.wait, self.valid_losses = math.inf, 0, []
     def on_epoch_end(self, last_metrics, **kwargs):
         value = last_metrics[0]
         self.valid_losses.append(value)
         if value < self.best - self.min_delta: self.best, self.wait = value, 0
         else: self.wait += 1
-        return self.wait > self.patience
+        return self.wait >= self.patience
 
 class V1LogEvery(V1Callback):
     "Record `(batch number, loss)` every `n`-th training batch."

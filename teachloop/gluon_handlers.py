@@ -322,11 +322,11 @@ class CheckpointHandler(TrainBegin, BatchEnd, EpochEnd):
 
 # %% ../nbs/16_gluon_handlers.ipynb #c027
 class EarlyStoppingHandler(TrainBegin, EpochEnd):
-    "Stop when `monitor` has not improved by more than `min_delta` for more than `patience` epochs in a row."
-    def __init__(self, monitor, mode='min', patience=0, min_delta=0.):
+    "Stop when `monitor` has not improved by more than `min_delta` for `patience` epochs in a row."
+    def __init__(self, monitor, mode='min', patience=1, min_delta=0.):
         self.is_better = _improvement_test(mode, min_delta)
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
-            raise ValueError(f"patience must be a whole number >= 0, got {patience!r}")
+        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
+            raise ValueError(f"patience must be a whole number >= 1, got {patience!r}")
         if not min_delta >= 0: raise ValueError(f"min_delta must be >= 0, got {min_delta}")
         self.monitor, self.mode, self.patience, self.min_delta = monitor, mode, patience, min_delta
 
@@ -338,8 +338,8 @@ class EarlyStoppingHandler(TrainBegin, EpochEnd):
         self.current_epoch += 1
         if self.is_better(value, self.best): self.best, self.wait = value, 0
         else: self.wait += 1
-        if self.wait > self.patience: self.stopped_epoch = self.current_epoch
-        return self.wait > self.patience
+        if self.wait >= self.patience: self.stopped_epoch = self.current_epoch
+        return self.wait >= self.patience
 
 # %% ../nbs/16_gluon_handlers.ipynb #c029
 class GradientClippingHandler(BackwardEnd):

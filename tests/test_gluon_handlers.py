@@ -180,11 +180,11 @@ class FakeMonitor:
 
 
 @pytest.mark.parametrize('values, mode, patience, min_delta, stops_at', [
-    ([1.0, 0.9, 0.95, 0.8], 'min', 0, 0., 3),
-    ([1.0, 0.9, 0.95, 0.94, 0.93], 'min', 2, 0., 5),
-    ([1.0, 0.9, 0.95, 0.8], 'min', 1, 0., None),
-    ([1.0, 0.95, 0.5], 'min', 0, 0.1, 2),
-    ([0.1, 0.2, 0.3, 0.25], 'max', 0, 0., 4),
+    ([1.0, 0.9, 0.95, 0.8], 'min', 1, 0., 3),
+    ([1.0, 0.9, 0.95, 0.94, 0.93], 'min', 3, 0., 5),
+    ([1.0, 0.9, 0.95, 0.8], 'min', 2, 0., None),
+    ([1.0, 0.95, 0.5], 'min', 1, 0.1, 2),
+    ([0.1, 0.2, 0.3, 0.25], 'max', 1, 0., 4),
 ])
 def test_early_stopping_handler_logic(values, mode, patience, min_delta, stops_at):
     handler = EarlyStoppingHandler(FakeMonitor(values), mode, patience, min_delta)
@@ -197,10 +197,10 @@ def test_early_stopping_handler_logic(values, mode, patience, min_delta, stops_a
 def test_early_stopping_handler_stops_a_fit():
     learn, dls = make_learner()
     monitor = Loss('validation loss')
-    stopper = EarlyStoppingHandler(monitor, 'min', patience=0, min_delta=100.)
+    stopper = EarlyStoppingHandler(monitor, 'min', patience=1, min_delta=100.)
     learn.fit(4, cbs=[Estimator([ValidationHandler(dls.valid), stopper], val_metrics=[monitor])])
     assert learn.epoch == 1 and stopper.stopped_epoch == 2
-    with pytest.raises(ValueError, match='patience'): EarlyStoppingHandler(monitor, patience=-1)
+    with pytest.raises(ValueError, match='patience'): EarlyStoppingHandler(monitor, patience=0)
 
 
 def test_gradient_clipping_handler_clips_before_the_step():

@@ -1,0 +1,251 @@
+"""Checkpoints: exact resume (weights bit for bit, same losses), refusals that change nothing, atomic files, trackers."""
+import math
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from teachloop.checkpoint import (Checkpoint, EarlyStopping, ReduceLROnPlateau, SaveModel, TrackerCallback,
+                                  read_checkpoint, save_checkpoint)
+from teachloop.data import digits_cnn, digits_dls
+from teachloop.learner import Callback, CancelFitException, Learner
+from teachloop.optimizer import SGD, Adam
+
+try:
+    from teachloop.schedule import ParamScheduler, one_cycle_scheds
+except ImportError:  # the schedule notebook is optional for these tests: a minimal one-cycle of the same shape
+    class ParamScheduler(Callback):
+        run_valid = False
+        def __init__(self, scheds): self.scheds = scheds
+        def before_batch(self):
+            for name, sched in self.scheds.items(): self.opt.set_hyper(name, sched(self.pct_train))
+
+    def one_cycle_scheds(lr_max, pct_start=0.25, div=25., div_final=1e5, moms=(0.95, 0.85, 0.95)):
+        def cos(a, b, p): return b + (a - b) * (1 + math.cos(math.pi * p)) / 2
+        def two_phase(a, b, c):
+            return lambda pct: cos(a, b, pct / pct_start) if pct < pct_start else cos(b, c, (pct - pct_start) / (1 - pct_start))
+        return {'lr': two_phase(lr_max / div, lr_max, lr_max / div_final), 'mom': two_phase(*moms)}
+
+
+def make_learner(opt_func=Adam, lr=3e-3, seed=0, model_fn=digits_cnn, **kwargs):
+    torch.manual_seed(seed)
+    learn = Learner(digits_dls(bs=64), model_fn(), F.cross_entropy, opt_func=opt_func, lr=lr, **kwargs)
+    learn.progress.show_bar, learn.progress.print_rows = False, False
+    return learn
+
+
+class StopAfterEpoch(Callback):
+    order = 80
+    def __init__(self, epoch): self.stop_epoch = epoch
+    def after_epoch(self):
+        if self.epoch == self.stop_epoch: raise CancelFitException()
+
+
+class Dropout(nn.Module):
+    "The digits CNN with a dropout layer, so that the fit draws from torch's global generator every step."
+    def __init__(self):
+        super().__init__()
+        self.body, self.drop = digits_cnn(), nn.Dropout(0.3)
+    def forward(self, x): return self.body(self.drop(x))
+
+
+def weights_equal(a, b):
+    sa, sb = a.model.state_dict(), b.model.state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+def history(learn):
+    return learn.recorder.losses, [row[:-1] for row in learn.recorder.values], dict(learn.recorder.hps)
+
+
+SETUPS = {
+    'sgd': dict(opt_func=lambda params, lr: SGD(params, lr, mom=0.9), lr=0.05, scheds=None),
+    'adam': dict(opt_func=Adam, lr=3e-3, scheds=None),
+    'one_cycle': dict(opt_func=Adam, lr=3e-3, scheds=lambda: one_cycle_scheds(1e-2)),
+}
+
+
+@pytest.mark.parametrize('setup', SETUPS)
+def test_resumed_fit_equals_uninterrupted_fit_bit_for_bit(tmp_path, setup):
+    opt_func, lr, scheds = SETUPS[setup]['opt_func'], SETUPS[setup]['lr'], SETUPS[setup]['scheds']
+    def sched_cbs(): return [ParamScheduler(scheds())] if scheds else []
+    def learner():
+        return make_learner(opt_func=opt_func, lr=lr, model_fn=Dropout, metrics=[lambda p, t: (p.argmax(1) == t).float().mean()])
+    straight = learner()
+    straight.fit(4, cbs=sched_cbs())
+    stopped = learner()
+    stopped.fit(4, cbs=sched_cbs() + [Checkpoint(tmp_path), StopAfterEpoch(1)])
+    assert not weights_equal(straight, stopped)
+    resumed = learner()
+    resumed.fit(4, cbs=sched_cbs(), resume=tmp_path / 'latest.pt')
+    assert weights_equal(straight, resumed)
+    assert history(straight) == history(resumed)
+    assert resumed.opt.state_dict()['state'].keys() == straight.opt.state_dict()['state'].keys()
+    for k, v in straight.opt.state_dict()['state'].items():
+        for name, value in v.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(resumed.opt.state_dict()['state'][k][name]))
+
+
+def test_resume_with_fit_one_cycle_from_the_schedule_module(tmp_path):
+    schedule = pytest.importorskip('teachloop.schedule')
+    straight = make_learner()
+    straight.fit_one_cycle(3, 1e-2)
+    stopped = make_learner()
+    stopped.fit_one_cycle(3, 1e-2, cbs=[Checkpoint(tmp_path), StopAfterEpoch(0)])
+    resumed = make_learner()
+    resumed.fit(3, cbs=[schedule.ParamScheduler(schedule.one_cycle_scheds(1e-2, moms=resumed.moms))],
+                resume=tmp_path / 'latest.pt')
+    assert weights_equal(straight, resumed) and history(straight) == history(resumed)
+
+
+def test_checkpoint_files_keep_and_latest(tmp_path):
+    learn = make_learner()
+    learn.fit(5, cbs=[Checkpoint(tmp_path, every_n_epochs=2, keep=1)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['epoch-004.pt', 'latest.pt']
+    assert os.path.samefile(tmp_path / 'epoch-004.pt', tmp_path / 'latest.pt')
+    state = read_checkpoint(tmp_path / 'latest.pt')
+    assert state['progress']['epochs_done'] == 4 and len(state['recorder']['values']) == 4
+    with pytest.raises(ValueError, match='every_n_epochs'): Checkpoint(tmp_path, every_n_epochs=0)
+    with pytest.raises(ValueError, match='keep'): Checkpoint(tmp_path, keep=0)
+
+
+def test_a_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
+    learn = make_learner()
+    learn.fit(1)
+    save_checkpoint(learn, tmp_path / 'ck.pt')
+    good = (tmp_path / 'ck.pt').read_bytes()
+    real_save = torch.save
+    def crashing_save(obj, f, *args, **kwargs):
+        real_save(obj, f, *args, **kwargs)
+        f.truncate(100)
+        raise OSError("disk full")
+    monkeypatch.setattr(torch, 'save', crashing_save)
+    learn.fit(1)
+    with pytest.raises(OSError, match='disk full'): save_checkpoint(learn, tmp_path / 'ck.pt')
+    assert (tmp_path / 'ck.pt').read_bytes() == good and os.listdir(tmp_path) == ['ck.pt']
+
+
+def assert_unchanged(learn, before):
+    after = {k: v.clone() for k, v in learn.model.state_dict().items()}
+    assert after.keys() == before['model'].keys() and all(torch.equal(after[k], before['model'][k]) for k in after)
+    assert history(learn) == before['history'] and learn.opt is before['opt']
+
+
+def snapshot(learn):
+    return {'model': {k: v.clone() for k, v in learn.model.state_dict().items()}, 'history': history(learn), 'opt': learn.opt}
+
+
+def test_refusals_change_nothing(tmp_path):
+    source = make_learner()
+    source.fit(1, cbs=[Checkpoint(tmp_path)])
+    other = Learner(digits_dls(), nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), F.cross_entropy)
+    other.progress.show_bar, other.progress.print_rows = False, False
+    other.fit(1)
+    before = snapshot(other)
+    with pytest.raises(ValueError, match='do not fit this model'): other.fit(3, resume=tmp_path / 'latest.pt')
+    assert_unchanged(other, before)
+    (tmp_path / 'cut.pt').write_bytes((tmp_path / 'latest.pt').read_bytes()[:2000])
+    learn = make_learner(seed=1)
+    learn.fit(1)
+    before = snapshot(learn)
+    with pytest.raises(ValueError, match='truncated'): learn.fit(3, resume=tmp_path / 'cut.pt')
+    assert_unchanged(learn, before)
+    with pytest.raises(ValueError, match='done 1 epochs already'): learn.fit(1, resume=tmp_path / 'latest.pt')
+    assert_unchanged(learn, before)
+    torch.save({'model': {}}, tmp_path / 'plain.pt')
+    with pytest.raises(ValueError, match='not a teachloop checkpoint'): learn.fit(3, resume=tmp_path / 'plain.pt')
+    assert_unchanged(learn, before)
+
+
+def test_a_checkpoint_from_the_middle_of_an_epoch_is_refused_for_resume(tmp_path):
+    class Interrupt(Callback):
+        def after_batch(self):
+            if self.training and self.iter == 5: raise KeyboardInterrupt
+    learn = make_learner()
+    with pytest.raises(KeyboardInterrupt): learn.fit(2, cbs=[Interrupt()])
+    learn.save_checkpoint(tmp_path / 'mid.pt')
+    fresh = make_learner(seed=1)
+    with pytest.raises(ValueError, match='middle of epoch 0'): fresh.fit(2, resume=tmp_path / 'mid.pt')
+    fresh.load_checkpoint(tmp_path / 'mid.pt')
+    assert weights_equal(fresh, learn)
+
+
+def test_resume_needs_the_callbacks_whose_state_was_saved(tmp_path):
+    learn = make_learner()
+    learn.fit(2, cbs=[EarlyStopping('valid_loss', 'min', patience=3), Checkpoint(tmp_path), StopAfterEpoch(0)])
+    assert 'early_stopping' in read_checkpoint(tmp_path / 'latest.pt')['callbacks']
+    fresh = make_learner()
+    with pytest.raises(ValueError, match="early_stopping"): fresh.fit(2, resume=tmp_path / 'latest.pt')
+    fresh.fit(2, cbs=[EarlyStopping('valid_loss', 'min', patience=3)], resume=tmp_path / 'latest.pt')
+
+
+class Scripted:
+    "A metric whose value at epoch e is `values[e]`."
+    __name__ = 'score'
+    def __init__(self, values): self.values, self.learn = values, None
+    def __call__(self, pred, target): return torch.tensor(float(self.values[self.learn.epoch]))
+
+
+def scripted_learner(values, **kwargs):
+    metric = Scripted(values)
+    learn = make_learner(metrics=[metric], **kwargs)
+    metric.learn = learn
+    return learn
+
+
+class KeepWeights(Callback):
+    order = 52
+    def before_fit(self): self.weights = []
+    def after_epoch(self): self.weights.append({k: v.clone() for k, v in self.model.state_dict().items()})
+
+
+def test_mode_is_required_and_checked():
+    with pytest.raises(TypeError): EarlyStopping('valid_loss')
+    for cls in (SaveModel, EarlyStopping, ReduceLROnPlateau):
+        with pytest.raises(ValueError, match='never guessed'): cls('accuracy', 'auto', *(['x.pt'] if cls is SaveModel else []))
+    learn = scripted_learner([0.] * 3)
+    with pytest.raises(ValueError, match="monitor 'acc' is not recorded"): learn.fit(1, cbs=[EarlyStopping('acc', 'max')])
+
+
+@pytest.mark.parametrize('mode, values, min_delta, stopped, best', [
+    ('max', [0.2, 0.6, 0.5, 0.55, 0.3, 0.9], 0., 3, 1),
+    ('min', [0.9, 0.5, 0.49, 0.495, 0.6, 0.1], 0.02, 3, 1),
+    ('min', [0.9, 0.5, 0.4, 0.3, 0.2, 0.1], 0., None, 5),
+])
+def test_early_stopping_patience_min_delta_and_best_weights(mode, values, min_delta, stopped, best):
+    learn = scripted_learner(values)
+    stopper, keeper = EarlyStopping('score', mode, patience=2, min_delta=min_delta), KeepWeights()
+    learn.fit(6, cbs=[stopper, keeper])
+    assert stopper.stopped_epoch == stopped and len(learn.recorder.values) == (stopped + 1 if stopped else 6)
+    assert all(torch.equal(v, keeper.weights[best][k]) for k, v in learn.model.state_dict().items())
+
+
+def test_early_stopping_resumes_with_its_patience(tmp_path):
+    values = [0.2, 0.6, 0.5, 0.55, 0.3, 0.9]
+    straight = scripted_learner(values)
+    straight.fit(6, cbs=[EarlyStopping('score', 'max', patience=2)])
+    stopped = scripted_learner(values)
+    stopped.fit(6, cbs=[EarlyStopping('score', 'max', patience=2), Checkpoint(tmp_path), StopAfterEpoch(2)])
+    resumed = scripted_learner(values)
+    stopper = EarlyStopping('score', 'max', patience=2)
+    resumed.fit(6, cbs=[stopper], resume=tmp_path / 'latest.pt')
+    assert stopper.stopped_epoch == 3 and weights_equal(straight, resumed) and history(straight) == history(resumed)
+
+
+def test_save_model_keeps_the_best_epoch(tmp_path):
+    learn = scripted_learner([0.5, 0.3, 0.4, 0.2, 0.35])
+    keeper = KeepWeights()
+    learn.fit(5, cbs=[SaveModel('score', 'min', tmp_path / 'best.pt'), keeper])
+    saved = torch.load(tmp_path / 'best.pt', weights_only=True)['model']
+    assert all(torch.equal(v, keeper.weights[3][k]) for k, v in saved.items())
+
+
+def test_reduce_lr_on_plateau():
+    learn = scripted_learner([0.5, 0.6, 0.7, 0.4, 0.45, 0.5], opt_func=SGD, lr=0.1)
+    learn.fit(6, cbs=[ReduceLROnPlateau('score', 'min', patience=2, factor=0.5, min_lr=0.03)])
+    per_epoch = [learn.recorder.lrs[i * len(learn.dls.train)] for i in range(6)]
+    assert per_epoch == pytest.approx([0.1, 0.1, 0.1, 0.05, 0.05, 0.05])
+    assert learn.opt.hypers[0]['lr'] == pytest.approx(0.03)
+    with pytest.raises(ValueError, match='factor'): ReduceLROnPlateau('score', 'min', factor=2)

@@ -14,6 +14,7 @@ import torch
 
 from .callbacks import to_device
 from .callbacks_v1 import check_handler_names, overrides
+from .checkpoint import check_mode
 from .learner import Callback, CancelFitException, CancelTrainException
 
 # %% auto #0
@@ -271,10 +272,9 @@ class LoggingHandler(TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchEnd):
 # %% ../nbs/16_gluon_handlers.ipynb #c024
 def _improvement_test(mode, min_delta=0.):
     "A function `(value, best) -> bool` telling whether `value` improves on `best` by more than `min_delta`."
+    check_mode(mode)
     if mode == 'min': return lambda value, best: value < best - min_delta
-    if mode == 'max': return lambda value, best: value > best + min_delta
-    raise ValueError(f"mode must be 'min' (lower is better, e.g. a loss) or 'max' (e.g. an accuracy), got {mode!r}; "
-                     "there is no 'auto': say which direction is better")
+    return lambda value, best: value > best + min_delta
 
 def _worst(mode): return math.inf if mode == 'min' else -math.inf
 

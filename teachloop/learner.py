@@ -260,8 +260,13 @@ def _fire(self, event):
         try: handler()
         except CANCEL_EXCEPTIONS: raise
         except Exception as e:
-            _add_note(e, f"(raised in {type(handler.__self__).__name__}.{event})")
+            _add_note(e, f"(raised in {_handler_owner(handler)}.{event})")
             raise
+
+def _handler_owner(handler):
+    "The class name of the callback a handler belongs to (plain functions stored on a callback have no `__self__`)."
+    owner = getattr(handler, '__self__', None)
+    return type(owner).__name__ if owner is not None else getattr(handler, '__qualname__', repr(handler))
 
 def _with_events(self, body, name, cancel_exception):
     "Fire `before_<name>`, run `body`; on `cancel_exception` fire `after_cancel_<name>`; then fire `after_<name>`."
@@ -314,8 +319,21 @@ def _compute_loss(self):
                          "use a mean or sum reduction")
     return loss
 
+def _device_note(model, xb):
+    "A note naming the model's and the batch's devices, for torch's terse device-mismatch errors."
+    model_devices = sorted({str(p.device) for p in model.parameters()})
+    batch_devices = sorted({str(x.device) for x in xb if isinstance(x, torch.Tensor)})
+    return (f"(the model's parameters are on {', '.join(model_devices)}, the batch's inputs on {', '.join(batch_devices)}: "
+            "put both on one device; DeviceCallback, a default callback, does it)")
+
+def _forward(self):
+    try: return self.model(*self.xb)
+    except RuntimeError as e:
+        if 'device' in str(e): _add_note(e, _device_note(self.model, self.xb))
+        raise
+
 def _do_one_batch(self):
-    self.pred = self.model(*self.xb)
+    self.pred = self._forward()
     self('after_pred')
     self.loss_grad = self._compute_loss()
     self.loss = self.loss_grad.detach().clone()
@@ -356,7 +374,7 @@ def _do_fit(self):
     for self.epoch in range(self.start_epoch, self.n_epoch):
         self._with_events(self._do_epoch, 'epoch', CancelEpochException)
 
-for f in (_compute_loss, _do_one_batch, _step, _split_batch, _all_batches, _set_phase, _do_validate, _do_epoch, _do_fit):
+for f in (_compute_loss, _forward, _do_one_batch, _step, _split_batch, _all_batches, _set_phase, _do_validate, _do_epoch, _do_fit):
     setattr(Learner, f.__name__, f)
 
 # %% ../nbs/02_learner.ipynb #c025

@@ -349,3 +349,11 @@ def test_get_preds_and_validate_agree():
     assert preds.shape == (len(learn.dls.valid.dataset), 10) and acc == pytest.approx(accuracy(preds, targets).item(), rel=1e-6)
     assert loss == pytest.approx(F.cross_entropy(preds, targets).item(), rel=1e-5)
     assert learn.predict(preds.new_zeros(2, 1, 8, 8)).shape == (2, 10)
+
+
+def test_error_in_a_plain_function_handler_keeps_its_type():
+    def explode(): raise RuntimeError('from a plain function')
+    cb = EventLog(events=())
+    cb.after_loss = explode
+    with pytest.raises(RuntimeError, match='from a plain function') as info: tiny_learner([cb]).fit(1)
+    assert any('explode.after_loss' in n for n in info.value.__notes__)

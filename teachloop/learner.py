@@ -12,7 +12,7 @@ import signal
 import tempfile
 import threading
 import warnings
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import nn
@@ -344,7 +344,8 @@ def _do_one_batch(self):
     self.opt.zero_grad()
 
 def _step(self):
-    with keyboard_interrupt_deferred(): self.opt.step()
+    self._batch_end.enter_context(keyboard_interrupt_deferred())
+    self.opt.step()
 
 def _split_batch(self, batch):
     if not isinstance(batch, (list, tuple)) or len(batch) < 2:
@@ -354,7 +355,8 @@ def _split_batch(self, batch):
 def _all_batches(self):
     for self.iter, batch in enumerate(self.dl):
         self._split_batch(batch)
-        self._with_events(self._do_one_batch, 'batch', CancelBatchException)
+        with ExitStack() as self._batch_end:  # closed at the batch's end: releases a Ctrl-C held back by `_step`
+            self._with_events(self._do_one_batch, 'batch', CancelBatchException)
 
 def _set_phase(self, training, dl):
     self.training, self.dl = training, dl

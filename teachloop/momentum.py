@@ -495,7 +495,9 @@ class GradientStreamWidget(FigureWidget):
         self.lines = {name: ax.plot(steps, np.zeros_like(self.grads), style, color=color, label=name)[0]
                       for name, ax, style, color in [('momentum', self.ax_grad, '-', 'C3'), ('momentum, debiased', self.ax_grad, '--', 'C2'),
                                                      ('squared', self.ax_sqr, '-', 'C3'), ('squared, debiased', self.ax_sqr, '--', 'C2')]}
-        self.ax_sqr.set(yscale='log', ylim=(np.percentile(self.grads ** 2, 5), (self.grads ** 2).max() * 2), xlabel='step')
+        squares = self.grads[self.grads != 0] ** 2
+        low, high = (np.percentile(squares, 5), squares.max() * 2) if len(squares) else (1e-12, 1.)
+        self.ax_sqr.set(yscale='log', ylim=(low, high), xlabel='step')
         self.ax_grad.set_ylim(np.percentile(self.grads, [1, 99]) * 1.2)
         for ax in (self.ax_grad, self.ax_sqr): ax.legend(fontsize=8, ncol=3, loc='upper right')
         controls = dict(beta=float_slider('beta', beta, 0., 0.999, 0.001), beta2=float_slider('beta2', beta2, 0., 0.999, 0.001))

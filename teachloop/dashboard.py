@@ -20,15 +20,15 @@ from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullLocator
 
+from .effective_lr import UpdateRatio, effective_lr_stats
 from .learner import Callback, CancelFitException, _check_fit_args
 from .optimizer import check_hyper
 
 # %% auto #0
 __all__ = ['FitControls', 'SteeringCallback', 'FitHandle', 'as_callback_list', 'fit_background', 'DeviceBuffer',
-           'downsample_minmax', 'BoundedSeries', 'RunningSmoother', 'layer_effective_lrs', 'update_ratios',
-           'DashboardPlot', 'update', 'png', 'TrainingDashboard', 'before_fit', 'before_step', 'after_step',
-           'after_batch', 'after_train', 'after_validate', 'tick', 'snapshot', 'status', 'cleanup_fit',
-           'DashboardWidget', 'LiveDisplay']
+           'downsample_minmax', 'BoundedSeries', 'RunningSmoother', 'DashboardPlot', 'update', 'png',
+           'TrainingDashboard', 'before_fit', 'before_step', 'after_step', 'after_batch', 'after_train',
+           'after_validate', 'tick', 'snapshot', 'status', 'cleanup_fit', 'DashboardWidget', 'LiveDisplay']
 
 # %% ../nbs/11_dashboard.ipynb #c004
 class FitControls:
@@ -268,28 +268,7 @@ class RunningSmoother:
             out[i] = self.average / (1 - self.beta ** self.count)
         return out
 
-# %% ../nbs/11_dashboard.ipynb #c033
-def _adam_like_effective_lr(p, state, hypers):
-    "Per-element effective learning rate of `p` from its optimizer state (lr where there is no squared average)."
-    lr = hypers['lr']
-    if 'sqr_avg' not in state: return torch.full_like(p, lr)
-    step = state.get('step', 0)
-    debias2 = 1 - hypers.get('sqr_mom', 0) ** step if step else 1.
-    return lr / ((state['sqr_avg'] / debias2).sqrt() + hypers.get('eps', 1e-8))
-
-def layer_effective_lrs(opt, params, quantiles=(0.05, 0.5, 0.95)) -> torch.Tensor:
-    "Quantiles of the effective learning rate of each tensor in `params`: a (tensors, quantiles) tensor on the device."
-    group_of = {id(p): group for group in opt.param_groups for p in group['params']}
-    q = torch.tensor(quantiles, device=params[0].device)
-    rows = [torch.quantile(_adam_like_effective_lr(p, opt.state.get(p, {}), group_of[id(p)]).flatten().float(), q)
-            for p in params]
-    return torch.stack(rows)
-
-def update_ratios(before, params) -> torch.Tensor:
-    "||w - w_before|| / ||w_before|| for each pair of tensors, as one tensor on the device."
-    return torch.stack([(p.detach() - b).norm() / b.norm().clamp_min(1e-12) for p, b in zip(params, before)])
-
-# %% ../nbs/11_dashboard.ipynb #c038
+# %% ../nbs/11_dashboard.ipynb #c037
 def _set_line(lines, ax, key, x, y, **style):
     "Give the line `key` new data, creating it on first use."
     if key not in lines: lines[key], = ax.plot([], [], **style)
@@ -321,7 +300,7 @@ class DashboardPlot:
         self.ax_elr.set(title='effective lr per layer (5-50-95%)')
         self.ax_ratio.set(title='update / weight per layer', xlabel='training batch')
 
-# %% ../nbs/11_dashboard.ipynb #c040
+# %% ../nbs/11_dashboard.ipynb #c039
 def _plot_loss(self, snap):
     lines = self.lines
     _set_line(lines, self.ax_loss, 'loss', *snap['loss'], color='C0', alpha=0.25, lw=0.7, label='train (batch)')
@@ -351,7 +330,7 @@ def _plot_effective_lr(self, snap):
     _set_line(self.lines, self.ax_elr, 'elr_median', positions, quantiles[:, len(quantiles[0]) // 2],
               ls='', marker='_', ms=14, mew=2, color='C3')
     if self.ax_elr.get_xticks().tolist() != positions.tolist():
-        self.ax_elr.set_xticks(positions, [n.replace('.weight', '') for n in names], rotation=30, fontsize=7, ha='right')
+        self.ax_elr.set_xticks(positions, names, rotation=30, fontsize=7, ha='right')
     # relim() ignores collections, so the band decides the limits here
     positive = quantiles[np.isfinite(quantiles) & (quantiles > 0)]
     if positive.size: self.ax_elr.set_ylim(positive.min() / 1.5, positive.max() * 1.5)
@@ -385,21 +364,23 @@ def png(self) -> bytes:
 for f in (_plot_loss, _plot_hypers, _plot_effective_lr, _plot_ratios, _refresh_legends, update, png):
     setattr(DashboardPlot, f.__name__, f)
 
-# %% ../nbs/11_dashboard.ipynb #c042
+# %% ../nbs/11_dashboard.ipynb #c041
+def _ipython_shell():
+    "The running IPython shell, or None (IPython is not imported just to find out: that alone takes ~0.1 s)."
+    ipython = sys.modules.get('IPython')
+    return ipython.get_ipython() if ipython is not None else None
+
 def _in_live_frontend():
     "True inside a Jupyter kernel (a frontend may show widgets), False in scripts and under `nbdev-test`."
     if os.environ.get('IN_TEST'): return False
-    try: from IPython import get_ipython
-    except ImportError: return False
-    shell = get_ipython()
-    return shell is not None and getattr(shell, 'kernel', None) is not None
+    return getattr(_ipython_shell(), 'kernel', None) is not None
 
 def _clock(seconds):
     if not math.isfinite(seconds): return '?'
     minutes, seconds = divmod(int(seconds), 60)
     return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}" if minutes >= 60 else f"{minutes}:{seconds:02d}"
 
-# %% ../nbs/11_dashboard.ipynb #c043
+# %% ../nbs/11_dashboard.ipynb #c042
 class TrainingDashboard(SteeringCallback):
     "Live loss, learning rates, effective learning rates and update ratios, with sliders and buttons that steer the fit."
     order = 70
@@ -425,13 +406,7 @@ class TrainingDashboard(SteeringCallback):
         self.widget = DashboardWidget(self.controls)
         display(self.widget.box)
 
-# %% ../nbs/11_dashboard.ipynb #c045
-def _layer_params(model):
-    "Names and tensors of the model's weights with two or more dimensions (all parameters if there are none)."
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    layers = [(n, p) for n, p in named if p.ndim >= 2] or named
-    return [n for n, _ in layers], [p for _, p in layers]
-
+# %% ../nbs/11_dashboard.ipynb #c044
 def before_fit(self):
     super(TrainingDashboard, self).before_fit()
     self._losses = DeviceBuffer(self.buffer_size)
@@ -441,10 +416,9 @@ def before_fit(self):
     series = lambda: BoundedSeries(self.max_points)
     self.series = {'loss': series(), 'smooth': series(), 'valid': series()}
     self.hyper_series = {(n, g): series() for n in self._hyper_names for g in range(len(self.opt.param_groups))}
-    self.layer_names, self._layer_tensors = _layer_params(self.model)
-    self.ratio_series = {n: series() for n in self.layer_names}
-    self.effective_lr, self.epoch_ends, self._smoother = None, [], RunningSmoother()
-    self._before_step, self._measure_next_step, self._ratio_pending = None, True, None
+    self.layer_names, self.effective_lr, self.ratio_series = [], None, {}
+    self.epoch_ends, self._smoother = [], RunningSmoother()
+    self._update_ratio, self._measure_next_step, self._ratio_pending = None, True, None
     self.samples, self.batches_done, self.ticks = 0, 0, 0
     self._start, self._next_tick = time.perf_counter(), time.perf_counter() + self.refresh
     self._background = threading.current_thread() is not threading.main_thread()
@@ -452,20 +426,19 @@ def before_fit(self):
 
 def _start_display(self):
     self.show()
-    if self.plot is None: self.plot = DashboardPlot()
     self.widget.start_fit(self.opt, self._held, can_steer=self._background)
-    self._display = LiveDisplay(self.plot, self.widget)
+    self._display = LiveDisplay(self.widget, self.plot)
 
 TrainingDashboard.before_fit, TrainingDashboard._start_display = before_fit, _start_display
 
-# %% ../nbs/11_dashboard.ipynb #c047
+# %% ../nbs/11_dashboard.ipynb #c046
 def before_step(self):
-    if self._measure_next_step: self._before_step = [p.detach().clone() for p in self._layer_tensors]
+    if self._measure_next_step: self._update_ratio = UpdateRatio(self.model)
 
 def after_step(self):
-    if self._before_step is None: return
-    self._ratio_pending = (self.train_iter, update_ratios(self._before_step, self._layer_tensors))
-    self._before_step, self._measure_next_step = None, False
+    if self._update_ratio is None: return
+    self._ratio_pending = (self.train_iter, self._update_ratio.ratios(reset=False))
+    self._update_ratio, self._measure_next_step = None, False
 
 def after_batch(self):
     size = len(self.yb[0])
@@ -489,11 +462,11 @@ def after_validate(self):
 
 for f in (before_step, after_step, after_batch, after_train, after_validate): setattr(TrainingDashboard, f.__name__, f)
 
-# %% ../nbs/11_dashboard.ipynb #c049
+# %% ../nbs/11_dashboard.ipynb #c048
 def tick(self, now=None):
     "Copy the new values from the device, compute the layer statistics, and hand a snapshot to the display."
     self._drain()
-    if self.opt.state: self.effective_lr = layer_effective_lrs(self.opt, self._layer_tensors).cpu().numpy()
+    self._read_effective_lrs()
     self._measure_next_step = True
     self.ticks += 1
     self.last_status = self.status()
@@ -516,12 +489,18 @@ def _drain(self):
         self._valid_pending = []
     if self._ratio_pending is not None:
         step, ratios = self._ratio_pending
-        for series, r in zip(self.ratio_series.values(), ratios.cpu().numpy()): series.extend([step], [r])
+        for name, r in zip(ratios, torch.stack(list(ratios.values())).cpu().numpy()):
+            self.ratio_series.setdefault(name, BoundedSeries(self.max_points)).extend([step], [r])
         self._ratio_pending = None
 
-TrainingDashboard.tick, TrainingDashboard._drain = tick, _drain
+def _read_effective_lrs(self):
+    stats = effective_lr_stats(self.opt, self.model)
+    if not stats: return
+    self.layer_names, self.effective_lr = list(stats), torch.stack(list(stats.values())).cpu().numpy()
 
-# %% ../nbs/11_dashboard.ipynb #c051
+TrainingDashboard.tick, TrainingDashboard._drain, TrainingDashboard._read_effective_lrs = tick, _drain, _read_effective_lrs
+
+# %% ../nbs/11_dashboard.ipynb #c050
 def _every_nth(values, most=100):
     "At most `most` of `values`, evenly spaced."
     return values[::max(1, math.ceil(len(values) / most))]
@@ -550,30 +529,31 @@ def status(self) -> str:
 
 TrainingDashboard.snapshot, TrainingDashboard.status = snapshot, status
 
-# %% ../nbs/11_dashboard.ipynb #c053
+# %% ../nbs/11_dashboard.ipynb #c052
 def cleanup_fit(self):
     super(TrainingDashboard, self).cleanup_fit()
     if not hasattr(self, '_losses'): return
     self.tick()
     if self._display is not None:
         self._display.close()
-        self.frames, self._display = self._display.frames, None
+        self.frames, self.plot, self._display = self._display.frames, self._display.plot, None
         self.widget.end_fit()
     else: self._show_final()
 
 def _show_final(self):
+    "Draw the final figure once, if someone will see it: under IPython, or in the file `save_path`."
+    shell = _ipython_shell()
+    if shell is None and self.save_path is None: return
     if self.plot is None: self.plot = DashboardPlot()
     self.plot.update(self.snapshot())
     if self.save_path is not None: self.plot.figure.savefig(self.save_path)
-    try: from IPython import get_ipython
-    except ImportError: return
-    if get_ipython() is not None:
+    if shell is not None:
         from IPython.display import Image, display
         display(Image(self.plot.png()))
 
 TrainingDashboard.cleanup_fit, TrainingDashboard._show_final = cleanup_fit, _show_final
 
-# %% ../nbs/11_dashboard.ipynb #c055
+# %% ../nbs/11_dashboard.ipynb #c054
 _SLIDERS = {  # name: (description, log scale, min, max, step)
     'lr': ('lr', True, -6, 0, 0.05),
     'mom': ('mom / β1', False, 0., 0.99, 0.01),
@@ -591,7 +571,7 @@ def _slider(name, value):
     slider.add_class(f'tl-{name.replace("_", "-")}-slider')
     return slider
 
-# %% ../nbs/11_dashboard.ipynb #c056
+# %% ../nbs/11_dashboard.ipynb #c055
 class DashboardWidget:
     "Status line, figure, sliders and buttons; the sliders and buttons only write into `controls`."
     def __init__(self, controls:FitControls):
@@ -633,11 +613,14 @@ class DashboardWidget:
         else: self.controls.pause()
         self.pause_button.description = 'Resume' if self.controls.paused else 'Pause'
 
-# %% ../nbs/11_dashboard.ipynb #c057
+# %% ../nbs/11_dashboard.ipynb #c056
 class LiveDisplay:
-    "A thread that draws the newest submitted snapshot into a `DashboardWidget`."
-    def __init__(self, plot:DashboardPlot, widget:DashboardWidget):
-        self.plot, self.widget, self.frames = plot, widget, 0
+    "A thread that draws the newest submitted snapshot into a `DashboardWidget`, in at most `max_share` of the time."
+    def __init__(self, widget:DashboardWidget,
+                 plot:DashboardPlot=None,  # a figure to reuse; None: the thread makes one
+                 max_share:float=0.2,  # the largest share of the time spent drawing
+                ):
+        self.widget, self.plot, self.frames, self.max_share = widget, plot, 0, max_share
         self._latest, self._closing = None, False
         self._wake = threading.Condition()
         self._thread = threading.Thread(target=self._run, name='teachloop-dashboard', daemon=True)
@@ -662,6 +645,14 @@ class LiveDisplay:
                 while self._latest is None and not self._closing: self._wake.wait()
                 snapshot, self._latest = self._latest, None
             if snapshot is None: return
+            start = time.perf_counter()
+            if self.plot is None: self.plot = DashboardPlot()
             self.plot.update(snapshot)
             self.frames += 1
             self.widget.show_frame(self.plot.png(), snapshot['status'], self.frames)
+            self._rest(time.perf_counter() - start)
+
+    def _rest(self, drawing_seconds):
+        "Wait so that drawing takes at most `max_share` of the time (the fit needs the CPU and the GIL too)."
+        with self._wake:
+            self._wake.wait_for(lambda: self._closing, timeout=drawing_seconds * (1 / self.max_share - 1))

@@ -12,8 +12,8 @@ from torch import nn
 from teachloop import dashboard as dash
 from teachloop.callbacks import DeviceCallback, smooth_values
 from teachloop.dashboard import (BoundedSeries, DeviceBuffer, FitControls, RunningSmoother, SteeringCallback,
-                                 TrainingDashboard, downsample_minmax, fit_background, layer_effective_lrs,
-                                 update_ratios)
+                                 TrainingDashboard, downsample_minmax, fit_background)
+from teachloop.effective_lr import effective_lr_stats
 from teachloop.data import DataLoaders, digits_cnn, digits_dls, regression_2d
 from teachloop.learner import Callback, CancelFitException, EventLog, Learner
 from teachloop.optimizer import SGD, Adam
@@ -136,37 +136,6 @@ def test_running_smoother_continues_across_ticks():
     assert np.allclose(np.concatenate(parts), smooth_values(values, beta=0.9))
 
 
-# ---- layer statistics -----------------------------------------------------------------------------------------------
-
-def test_effective_lr_matches_torch_adam_state():
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
-    reference = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3))
-    reference.load_state_dict(model.state_dict())
-    opt = Adam(list(model.parameters()), lr=1e-2, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.)
-    torch_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, betas=(0.9, 0.99), eps=1e-5)
-    for _ in range(5):
-        x = torch.randn(16, 5)
-        for m, o in ((model, opt), (reference, torch_opt)):
-            m(x).pow(2).mean().backward(); o.step(); o.zero_grad()
-    params = [model[0].weight, model[1].weight]
-    got = layer_effective_lrs(opt, params, quantiles=(0.1, 0.5, 0.9))
-    for row, p in zip(got, [reference[0].weight, reference[1].weight]):
-        state = torch_opt.state[p]
-        expected = 1e-2 / ((state['exp_avg_sq'] / (1 - 0.99 ** state['step'])).sqrt() + 1e-5)
-        assert torch.allclose(row, torch.quantile(expected.flatten(), torch.tensor([0.1, 0.5, 0.9])), rtol=1e-4)
-
-
-def test_effective_lr_of_sgd_is_its_lr_and_update_ratio_is_the_norm_ratio():
-    w = nn.Parameter(torch.randn(4, 4))
-    opt = SGD([w], lr=0.05)
-    before = [w.detach().clone()]
-    w.grad = torch.randn(4, 4)
-    opt.step()
-    assert torch.allclose(layer_effective_lrs(opt, [w]), torch.full((1, 3), 0.05))
-    assert math.isclose(update_ratios(before, [w]).item(), (0.05 * w.grad.norm() / before[0].norm()).item(), rel_tol=1e-5)
-
-
 # ---- steering a fit from another thread -----------------------------------------------------------------------------
 
 def stop_at(train_iter):
@@ -274,7 +243,11 @@ def test_dashboard_series_match_the_recorder(tmp_path):
     assert dashboard.series['valid'].x.tolist() == [len(DLS.train), 2 * len(DLS.train)]
     assert dashboard.hyper_series[('lr', 0)].y.tolist() == learn.recorder.lrs
     assert dashboard.ticks >= 2 * len(DLS.train) and set(dashboard.ratio_series) == set(dashboard.layer_names)
-    assert dashboard.effective_lr.shape == (len(dashboard.layer_names), 3)
+    stats = effective_lr_stats(learn.opt, learn.model)  # the final tick saw the final optimizer state
+    assert dashboard.layer_names == list(stats)
+    assert np.allclose(dashboard.effective_lr, torch.stack(list(stats.values())).numpy())
+    # one update ratio per tick of the training phase, measured at the step after the tick
+    assert all(len(series) >= len(DLS.train) for series in dashboard.ratio_series.values())
     assert (tmp_path / 'final.png').read_bytes()[:4] == b'\x89PNG'
 
 

@@ -1,0 +1,100 @@
+"""Cost of `TrainingDashboard` on a fit of the digits CNN on the CPU, measured side by side in one run.
+
+Same model, initial weights, data order and default callbacks (progress bar off), Adam, one torch thread. Each pair
+runs the fit without and with the dashboard (which goes first alternates) and the ratio of the two fit times is taken;
+the figure is the median of the per-pair ratios (neighbouring fits share the machine's load, which on a shared
+2-core machine moves whole fits by 10-40 %).
+
+A second figure, robust to the machine's load: the time spent inside the dashboard's event handlers (ticks included)
+as a share of the fit's time, measured in the same fits (median over the runs). It leaves out indirect costs (caches,
+memory), which the paired ratio includes.
+
+Variants:
+- `headless`: the default dashboard as a script or `nbdev-test` runs it (ticks every 0.25 s: buffers drained, effective
+  learning rates computed; the final figure not drawn since nobody would see it).
+- `live`: the same with `live=True`: a display thread draws every tick's frame (PNG into an ipywidgets Image without
+  a frontend). Drawing competes with the fit for the CPU and the GIL, so this is the cost of watching on a CPU fit.
+
+The live variant runs longer fits (`--live-epochs`): its cost has a fixed part (the figure is made, and the last frame
+is drawn before `fit` returns) and a steady part (at most ~20 % of the time spent drawing, by design).
+
+    .venv/bin/python bench/dashboard_overhead.py [--runs 7] [--epochs 5] [--live-epochs 15] [--variants headless live]
+"""
+import argparse
+import statistics
+import time
+
+import torch
+from torch.nn import functional as F
+
+from teachloop.dashboard import TrainingDashboard
+from teachloop.data import digits_cnn, digits_dls
+from teachloop.learner import Learner
+
+
+HANDLERS = ('before_fit', 'before_batch', 'before_step', 'after_step', 'after_batch', 'after_train', 'after_validate',
+            'cleanup_fit')
+
+
+class TimedDashboard(TrainingDashboard):
+    "The dashboard, adding up the time spent in its event handlers."
+    seconds = 0.
+
+def _timed(name):
+    def handler(self):
+        start = time.perf_counter()
+        try: getattr(TrainingDashboard, name)(self)
+        finally: self.seconds += time.perf_counter() - start
+    handler.__name__ = name
+    return handler
+
+for _name in HANDLERS: setattr(TimedDashboard, _name, _timed(_name))
+
+
+def fit_seconds(epochs, dashboard=None):
+    "Wall time of one fit from the same start (weights, data order)."
+    torch.manual_seed(0)
+    learn = Learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, lr=3e-3)
+    learn.progress.show_bar = learn.progress.print_rows = False
+    start = time.perf_counter()
+    learn.fit(epochs, cbs=[dashboard] if dashboard is not None else None)
+    return time.perf_counter() - start, dashboard
+
+
+def paired_ratios(runs, epochs, make_dashboard):
+    ratios, frames, ticks, shares = [], [], [], []
+    for i in range(runs):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        times = {}
+        for with_dashboard in order:
+            seconds, dashboard = fit_seconds(epochs, make_dashboard() if with_dashboard else None)
+            times[with_dashboard] = seconds
+            if dashboard is not None:
+                frames.append(dashboard.frames); ticks.append(dashboard.ticks); shares.append(dashboard.seconds / seconds)
+        ratios.append(times[True] / times[False])
+    return ratios, frames, ticks, shares
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--runs', type=int, default=7)
+    parser.add_argument('--epochs', type=int, default=5)
+    parser.add_argument('--live-epochs', type=int, default=15)
+    parser.add_argument('--variants', nargs='+', default=['headless', 'live'], choices=['headless', 'live'])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    fit_seconds(1)  # warm up
+    print(f"digits CNN, CPU, 1 thread, {args.runs} pairs per variant")
+    makers = {'headless': lambda: TimedDashboard(live=False), 'live': lambda: TimedDashboard(live=True)}
+    for variant in args.variants:
+        epochs = args.epochs if variant == 'headless' else args.live_epochs
+        base, _ = fit_seconds(epochs)
+        ratios, frames, ticks, shares = paired_ratios(args.runs, epochs, makers[variant])
+        print(f"{variant:>8}, {epochs} epochs (~{base:.1f} s a fit): median ratio {statistics.median(ratios):.3f} (with / without dashboard; "
+              f"pairs {min(ratios):.3f}-{max(ratios):.3f}); time in its handlers {statistics.median(shares):.1%} of the fit; "
+              f"ticks per fit {statistics.median(ticks):.0f}, "
+              f"frames per fit {statistics.median(frames):.0f}")
+
+
+if __name__ == '__main__':
+    main()

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import torch
 
-from .learner import Callback, CancelFitException, atomic_save, check_state_matches
-from .nan_capture import restore_training_state, rng_states, saveable_rng, set_rng_states
+from .learner import Callback, CancelFitException, Learner, atomic_save, check_state_matches
+from .nan_capture import check_count, restore_training_state, rng_states, saveable_rng, set_rng_states
 
 # %% auto #0
 __all__ = ['FORMAT', 'loader_generators', 'recorder_state', 'load_recorder_state', 'checkpoint_state', 'save_checkpoint',
@@ -143,7 +143,6 @@ class Resume(Callback):
     def before_fit(self): self.learn.start_epoch = restore_checkpoint(self.learn, self.state)
 
 # %% ../nbs/13_checkpoint.ipynb #c016
-from .learner import Learner
 Learner.load_checkpoint = load_checkpoint
 
 # %% ../nbs/13_checkpoint.ipynb #c018
@@ -164,10 +163,8 @@ class Checkpoint(Callback):
                  every_n_epochs=1,  # write after every this many epochs
                  keep=None,  # how many epoch files to keep (None: all)
                 ):
-        if isinstance(every_n_epochs, bool) or not isinstance(every_n_epochs, int) or every_n_epochs < 1:
-            raise ValueError(f"every_n_epochs must be a whole number >= 1, got {every_n_epochs!r}")
-        if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
-            raise ValueError(f"keep must be None or a whole number >= 1, got {keep!r}")
+        check_count('every_n_epochs', every_n_epochs)
+        if keep is not None: check_count('keep', keep)
         self.folder, self.every_n_epochs, self.keep = Path(folder), every_n_epochs, keep
 
     @property
@@ -234,8 +231,7 @@ class EarlyStopping(TrackerCallback):
     "Stop the fit after `patience` epochs without improvement of `monitor`; optionally end with the best weights."
     def __init__(self, monitor, mode, patience=1, min_delta=0., restore_best=True):
         super().__init__(monitor, mode, min_delta)
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"patience must be a whole number >= 1, got {patience!r}")
+        check_count('patience', patience)
         self.patience, self.restore_best, self.best_weights, self.stopped_epoch = patience, restore_best, None, None
 
     def before_fit(self):
@@ -263,8 +259,7 @@ class ReduceLROnPlateau(TrackerCallback):
     def __init__(self, monitor, mode, patience=1, factor=0.1, min_delta=0., min_lr=0.):
         super().__init__(monitor, mode, min_delta)
         if not 0 < factor < 1: raise ValueError(f"factor must be between 0 and 1, got {factor!r}")
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 1:
-            raise ValueError(f"patience must be a whole number >= 1, got {patience!r}")
+        check_count('patience', patience)
         self.patience, self.factor, self.min_lr = patience, factor, min_lr
 
     def after_epoch(self):

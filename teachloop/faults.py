@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from .learner import Callback, CancelFitException
+from .nan_capture import check_count
 
 # %% auto #0
 __all__ = ['set_seed', 'TerminateOnNaN', 'GradientClipping', 'CheckBatch']
@@ -36,8 +37,7 @@ class TerminateOnNaN(Callback):
     "Stop the fit when the training loss is NaN or infinite (read every `check_every` steps)."
     order, run_valid = 5, False
     def __init__(self, check_every=1):
-        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
-            raise ValueError(f"check_every must be a whole number >= 1, got {check_every!r}")
+        check_count('check_every', check_every)
         self.check_every, self.stopped_at = check_every, None
 
     def before_fit(self): self._finite, self.stopped_at = None, None

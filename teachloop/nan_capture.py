@@ -18,8 +18,9 @@ from .callbacks import to_device
 from .learner import Callback, CancelFitException, atomic_save, check_state_matches
 
 # %% auto #0
-__all__ = ['rng_states', 'saveable_rng', 'set_rng_states', 'grads_are_finite', 'nonfinite_grads', 'NaNCapture', 'NaNReport',
-           'load_capture', 'restore_training_state', 'watch_forward', 'graph_nodes', 'watch_backward', 'replay_nan']
+__all__ = ['rng_states', 'saveable_rng', 'set_rng_states', 'grads_are_finite', 'nonfinite_grads', 'check_count', 'NaNCapture',
+           'NaNReport', 'load_capture', 'restore_training_state', 'watch_forward', 'graph_nodes', 'watch_backward',
+           'replay_nan']
 
 # %% ../nbs/12_nan_capture.ipynb #c004
 _has_cuda = torch.cuda.is_available()
@@ -58,6 +59,11 @@ def nonfinite_grads(named_params):
     return [name for name, p in named_params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
 
 # %% ../nbs/12_nan_capture.ipynb #c012
+def check_count(name, value, minimum=1):
+    "Raise `ValueError` unless `value` is a whole number >= `minimum` (a count of steps, epochs, files)."
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}")
+
 def _all_finite(tensors): return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 class NaNCapture(Callback):
@@ -68,8 +74,7 @@ class NaNCapture(Callback):
                  check_every=1,  # check every this many training steps (see the trade-off above)
                  host_rngs=True,  # also keep numpy's and Python's random states (most of the callback's cost)
                 ):
-        if isinstance(check_every, bool) or not isinstance(check_every, int) or check_every < 1:
-            raise ValueError(f"check_every must be a whole number >= 1, got {check_every!r}")
+        check_count('check_every', check_every)
         self.path, self.check_every, self.host_rngs, self.captured = os.fspath(path), check_every, host_rngs, None
         self.name = 'nan_capture'
 

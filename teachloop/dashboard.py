@@ -383,7 +383,6 @@ def _clock(seconds):
 # %% ../nbs/11_dashboard.ipynb #c042
 class TrainingDashboard(SteeringCallback):
     "Live loss, learning rates, effective learning rates and update ratios, with sliders and buttons that steer the fit."
-    order = 70
     def __init__(self,
                  refresh:float=0.25,  # seconds between display ticks (0.25: at most 4 frames a second)
                  max_points:int=2000,  # the most points kept per line
@@ -509,7 +508,7 @@ def snapshot(self) -> dict:
     "The values the figure shows, as copies that another thread may read."
     copy = lambda s: (s.x.copy(), s.y.copy())
     return {'loss': copy(self.series['loss']), 'smooth': copy(self.series['smooth']), 'valid': copy(self.series['valid']),
-            'epochs': _every_nth(list(self.epoch_ends)),
+            'epochs': _every_nth(list(self.epoch_ends), 25),
             'changes': [(step, f"{name}={value:.3g}") for step, name, value in _every_nth(self.changes, 50)],
             'hypers': {key: copy(s) for key, s in self.hyper_series.items()},
             'layers': list(self.layer_names), 'effective_lr': self.effective_lr,

@@ -1,7 +1,7 @@
 """The dashboard in a real browser: JupyterLab in headless Chromium runs a background fit with `TrainingDashboard`.
 
 Checks that the frame counter rises during the fit, that dragging the lr slider changes the lr the fit records for
-later batches, and that Stop ends the fit with the learner's history kept. Saves a screenshot to artifacts/.
+later batches, that Pause holds the fit until Resume, and that Stop ends the fit with the learner's history kept. Saves a screenshot to artifacts/.
 """
 import json
 import os
@@ -86,6 +86,13 @@ def frame_count(page):
     return int(counter.inner_text()) if counter.count() else 0
 
 
+def frame_stable(page, seconds):
+    "The frame count if it does not change for `seconds`, else None."
+    before = frame_count(page)
+    time.sleep(seconds)
+    return before if frame_count(page) == before else None
+
+
 def open_notebook(page, url):
     page.goto(url, timeout=90_000)
     page.wait_for_selector('.jp-Notebook .jp-Cell', timeout=90_000)
@@ -93,7 +100,10 @@ def open_notebook(page, url):
     while time.monotonic() < deadline:  # a "Select Kernel" dialog may come first
         accept = page.locator('.jp-Dialog .jp-mod-accept')
         if accept.count(): accept.first.click()
-        if page.locator('.jp-Notebook-ExecutionIndicator[data-status="idle"]').count(): return
+        if page.locator('.jp-StatusBar-TextItem', has_text='Idle').count():
+            # JupyterLab's question about news would cover part of the screenshots
+            page.add_style_tag(content='.Toastify { display: none !important; }')
+            return
         time.sleep(0.3)
     raise AssertionError("the kernel did not become idle")
 
@@ -101,20 +111,14 @@ def open_notebook(page, url):
 def run_first_cell(page, attempts=3):
     "Run the notebook's cell; a run sent while the kernel connection is still settling can be dropped, so retry."
     prompt = page.locator('.jp-Cell .jp-InputPrompt').first
-    for _ in range(attempts):
+    for attempt in range(1, attempts + 1):
         page.locator('.jp-Cell .jp-InputArea-editor').first.click()
         page.keyboard.press('Control+Enter')
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
-            if any(c == '*' or c.isdigit() for c in prompt.inner_text()): return
+            if any(c == '*' or c.isdigit() for c in prompt.inner_text()): return attempt
             time.sleep(0.3)
     raise AssertionError(f"the cell did not start running (prompt {prompt.inner_text()!r})")
-
-
-def dismiss_news(page):
-    "Answer JupyterLab's question about news, which would cover part of the screenshot."
-    no = page.get_by_role('button', name='No', exact=True)
-    if no.count(): no.first.click()
 
 
 def drag_slider_left(page, selector, pixels):
@@ -137,13 +141,12 @@ def test_dashboard_in_jupyterlab(jupyter_lab):
         try:
             open_notebook(page, jupyter_lab['url'])
             timings['notebook open'] = time.monotonic() - start
-            run_first_cell(page)
+            timings['run attempts'] = run_first_cell(page)
 
             # (a) frames are drawn during the fit
             first = wait_for(lambda: frame_count(page), 120, 'the first frame')
             timings['first frame'] = time.monotonic() - start
             wait_for(lambda: frame_count(page) >= first + 3, 60, 'more frames')
-            dismiss_news(page)
             page.locator('.tl-dashboard').screenshot(path=str(ARTIFACTS / 'dashboard.png'))
 
             # (b) the lr slider steers the running fit
@@ -154,6 +157,12 @@ def test_dashboard_in_jupyterlab(jupyter_lab):
             frames_after_drag = frame_count(page)
             wait_for(lambda: frame_count(page) >= frames_after_drag + 8, 60, 'frames after the slider change')
             page.locator('.tl-dashboard').screenshot(path=str(ARTIFACTS / 'dashboard_after_slider.png'))
+
+            # Pause holds the fit (no more ticks, so no more frames) until Resume
+            page.locator('.tl-dashboard button', has_text='Pause').click()
+            paused_at = wait_for(lambda: frame_stable(page, 1.5), 20, 'the frames to stop while paused')
+            page.locator('.tl-dashboard button', has_text='Resume').click()
+            wait_for(lambda: frame_count(page) > paused_at, 30, 'frames after Resume')
 
             # (c) Stop ends the fit, and the learner keeps its history
             page.locator('.tl-dashboard button', has_text='Stop').click()
@@ -167,7 +176,7 @@ def test_dashboard_in_jupyterlab(jupyter_lab):
             browser.close()
 
     result = json.loads(jupyter_lab['result'].read_text())
-    print('timings (s):', {k: round(v, 1) for k, v in timings.items()}, 'frames:', result['frames'])
+    print('timings (s):', {k: round(v, 1) for k, v in timings.items()}, 'frames:', result['frames'], 'lr:', readout)
     assert result['prefix'] == sys.prefix, "the kernel must run the project's virtual environment"
     assert result['error'] is None and result['frames'] > first
     lr_changes = [(step, value) for step, name, value in result['changes'] if name == 'lr']

@@ -178,6 +178,19 @@ def test_requested_hyper_is_applied_from_the_next_batch_and_held_against_a_sched
     assert steering.changes == [(5, 'lr', 7e-4)]
 
 
+def test_a_moved_slider_wins_over_one_cycle():
+    import teachloop.schedule  # adds Learner.fit_one_cycle
+    dashboard = TrainingDashboard()
+    class Request(Callback):
+        def after_batch(self):
+            if self.training and self.train_iter == 8: dashboard.controls.set_hyper('lr', 2e-4)
+    learn = digits_learner(cbs=[dashboard, Request()])
+    learn.fit_one_cycle(1, 1e-2)
+    lrs = learn.recorder.lrs
+    assert len(set(lrs[:8])) == 8 and set(lrs[8:]) == {2e-4}  # the schedule, then the held value
+    assert dashboard.hyper_series[('lr', 0)].y.tolist() == lrs and dashboard.changes == [(8, 'lr', 2e-4)]
+
+
 def test_pause_holds_the_fit_until_resume():
     steering = SteeringCallback()
     learn = digits_learner(default_cbs=False, cbs=[steering])

@@ -60,7 +60,8 @@ def full_draw_moves(widget, name, values):
 
 def summary(times):
     times = sorted(times)
-    return f"median {statistics.median(times):6.1f} ms   p90 {times[int(0.9 * (len(times) - 1))]:6.1f} ms   max {times[-1]:6.1f} ms"
+    return (f"min {times[0]:5.1f}  median {statistics.median(times):5.1f}  p90 {times[int(0.9 * (len(times) - 1))]:5.1f}  "
+            f"max {times[-1]:6.1f} ms")
 
 
 def main():

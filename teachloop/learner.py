@@ -161,7 +161,7 @@ class Learner:
         self.lr, self.wd, self.moms, self.splitter = lr, wd, moms, splitter
         self.metrics = list(metrics or [])
         self.opt, self.dl, self.xb, self.yb, self.pred, self.loss, self.loss_grad = None, None, (), (), None, None, None
-        self.n_epoch = self.n_iter = self.epoch = self.iter = self.train_iter = self.start_epoch = 0
+        self.n_epoch = self.n_iter = self.epoch = self.iter = self.train_iter = self.start_epoch = self.skip_batches = 0
         self.pct_train, self.training = 0., False
         self.cbs, self._event_tables = [], ({}, {})
         self._events = {}
@@ -354,6 +354,7 @@ def _split_batch(self, batch):
 
 def _all_batches(self):
     for self.iter, batch in enumerate(self.dl):
+        if self.training and self.iter < self.skip_batches: continue  # done before the checkpoint a fit resumes from
         self._split_batch(batch)
         with ExitStack() as self._batch_end:  # closed at the batch's end: releases a Ctrl-C held back by `_step`
             self._with_events(self._do_one_batch, 'batch', CancelBatchException)
@@ -416,7 +417,7 @@ def fit(self,
         if self.opt is None or reset_opt: self.create_opt()
         if lr is not None: self.opt.set_hyper('lr', lr)
         if wd is not None: self.opt.set_hyper('wd', wd)
-        self.n_epoch, self.start_epoch = n_epoch, 0
+        self.n_epoch, self.start_epoch, self.skip_batches = n_epoch, 0, 0
         try: self._with_events(self._do_fit, 'fit', CancelFitException)
         finally: self._cleanup()
 

@@ -1,7 +1,8 @@
 """The dashboard in a real browser: JupyterLab in headless Chromium runs a background fit with `TrainingDashboard`.
 
 Checks that the frame counter rises during the fit, that dragging the lr slider changes the lr the fit records for
-later batches, that Pause holds the fit until Resume, and that Stop ends the fit with the learner's history kept. Saves a screenshot to artifacts/.
+later batches, that Pause holds the fit until Resume, that Stop ends the fit with the learner's history kept, and
+that a plain (blocking) fit shows live frames while its cell runs. Saves screenshots to artifacts/.
 """
 import json
 import os
@@ -81,9 +82,14 @@ def jupyter_lab(tmp_path):
         log.close()
 
 
-def frame_count(page):
+def frame_count(page, dashboard=0):
+    "The frame counter of the `dashboard`-th dashboard on the page (0 before it shows one)."
     counter = page.locator('.tl-frame')
-    return int(counter.inner_text()) if counter.count() else 0
+    return int(counter.nth(dashboard).inner_text()) if counter.count() > dashboard else 0
+
+
+def is_running(page, cell):
+    return '*' in page.locator('.jp-Cell .jp-InputPrompt').nth(cell).inner_text()
 
 
 def frame_stable(page, seconds):
@@ -108,11 +114,11 @@ def open_notebook(page, url):
     raise AssertionError("the kernel did not become idle")
 
 
-def run_first_cell(page, attempts=3):
-    "Run the notebook's cell; a run sent while the kernel connection is still settling can be dropped, so retry."
-    prompt = page.locator('.jp-Cell .jp-InputPrompt').first
+def run_cell(page, cell, attempts=3):
+    "Run a cell; a run sent while the kernel connection is still settling can be dropped, so retry."
+    prompt = page.locator('.jp-Cell .jp-InputPrompt').nth(cell)
     for attempt in range(1, attempts + 1):
-        page.locator('.jp-Cell .jp-InputArea-editor').first.click()
+        page.locator('.jp-Cell .jp-InputArea-editor').nth(cell).click()
         page.keyboard.press('Control+Enter')
         deadline = time.monotonic() + 15
         while time.monotonic() < deadline:
@@ -141,7 +147,7 @@ def test_dashboard_in_jupyterlab(jupyter_lab):
         try:
             open_notebook(page, jupyter_lab['url'])
             timings['notebook open'] = time.monotonic() - start
-            timings['run attempts'] = run_first_cell(page)
+            timings['run attempts'] = run_cell(page, 0)
 
             # (a) frames are drawn during the fit
             first = wait_for(lambda: frame_count(page), 120, 'the first frame')
@@ -168,6 +174,15 @@ def test_dashboard_in_jupyterlab(jupyter_lab):
             page.locator('.tl-dashboard button', has_text='Stop').click()
             wait_for(jupyter_lab['result'].exists, 60, 'the fit to end after Stop')
             timings['stopped'] = time.monotonic() - start
+
+            # a blocking fit (the cell runs all along) still shows live frames
+            run_cell(page, 1)
+            blocking_first = wait_for(lambda: is_running(page, 1) and frame_count(page, 1), 60, 'a blocking-fit frame')
+            wait_for(lambda: frame_count(page, 1) > blocking_first, 60, 'the next frame of the blocking fit')
+            frames_seen_while_running = is_running(page, 1)
+            wait_for(lambda: 'blocking fit done' in page.locator('.jp-Cell').nth(1).inner_text(), 120,
+                     'the blocking fit to end')
+            timings['blocking fit done'] = time.monotonic() - start
         except BaseException:
             page.screenshot(path=str(ARTIFACTS / 'dashboard_failure.png'))
             print(jupyter_lab['log'].read_text()[-3000:])
@@ -175,6 +190,7 @@ def test_dashboard_in_jupyterlab(jupyter_lab):
         finally:
             browser.close()
 
+    assert frames_seen_while_running, "the blocking fit's frames must update while its cell runs"
     result = json.loads(jupyter_lab['result'].read_text())
     print('timings (s):', {k: round(v, 1) for k, v in timings.items()}, 'frames:', result['frames'], 'lr:', readout)
     assert result['prefix'] == sys.prefix, "the kernel must run the project's virtual environment"

@@ -22,7 +22,7 @@ __all__ = ['multi_tensor_versions', 'fused_patterns', 'TensorGroup', 'multi_tens
            'momentum_step_multi', 'rms_prop_step_multi', 'step_stat_multi', 'adam_step_multi', 'nesterov_step_multi',
            'qhadam_step_multi', 'radam_step_multi', 'norms', 'decay_factors', 'lamb_step_multi',
            'lars_scale_grad_multi', 'lion_step_multi', 'keep_slow_weights_multi', 'lookahead_step_multi',
-           'callback_key', 'fused_adam', 'FastStep', 'plan_fast_step']
+           'callback_key', 'fused_adam_step', 'FastStep', 'plan_fast_step']
 
 # %% ../nbs/08_fast_optimizers.ipynb #c004
 class TensorGroup:
@@ -226,25 +226,23 @@ def callback_key(cb):
     while isinstance(cb, partial): keywords, cb = {**cb.keywords, **keywords}, cb.func
     return cb, tuple(sorted(keywords.items()))
 
-def fused_adam(decoupled):
-    "A group step doing Adam's five callbacks in one `torch._fused_adam(w)_` call per step count."
+def fused_adam_step(group, lr, mom, sqr_mom, eps, wd, decoupled=True, **kwargs):
+    "Adam's five callbacks in one `torch._fused_adamw_` (`_fused_adam_` for L2) call per step count."
     kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
-    def fused_adam_step(group, lr, mom, sqr_mom, eps, wd, **kwargs):
-        step_stat_multi(group)
-        decayed = [s.get('do_wd', True) for s in group.states]
-        for use_wd in set(decayed):
-            part = group.subset([i for i, d in enumerate(decayed) if d == use_wd])
-            for step, subgroup in part.by_step():
-                counts = [torch.tensor(float(step), device=subgroup.params[0].device)] * len(subgroup)
-                kernel(subgroup.params, subgroup.grads, subgroup.state_tensors('grad_avg'),
-                       subgroup.state_tensors('sqr_avg'), [], counts, lr=lr, beta1=mom, beta2=sqr_mom,
-                       weight_decay=wd if use_wd else 0., eps=eps, amsgrad=False, maximize=False)
-    return fused_adam_step
+    step_stat_multi(group)
+    decayed = [s.get('do_wd', True) for s in group.states]
+    for use_wd in set(decayed):
+        part = group.subset([i for i, d in enumerate(decayed) if d == use_wd])
+        for step, subgroup in part.by_step():
+            counts = [torch.tensor(float(step), device=subgroup.params[0].device)] * len(subgroup)
+            kernel(subgroup.params, subgroup.grads, subgroup.state_tensors('grad_avg'), subgroup.state_tensors('sqr_avg'),
+                   [], counts, lr=lr, beta1=mom, beta2=sqr_mom, weight_decay=wd if use_wd else 0., eps=eps,
+                   amsgrad=False, maximize=False)
 
 _adam_tail = [callback_key(partial(average_grad, dampening=True)), callback_key(average_sqr_grad),
               callback_key(step_stat), callback_key(adam_step)]
-fused_patterns = [([callback_key(weight_decay)] + _adam_tail, fused_adam(decoupled=True)),
-                  ([callback_key(l2_reg)] + _adam_tail, fused_adam(decoupled=False))]
+fused_patterns = [([callback_key(weight_decay)] + _adam_tail, partial(fused_adam_step, decoupled=True)),
+                  ([callback_key(l2_reg)] + _adam_tail, partial(fused_adam_step, decoupled=False))]
 
 # %% ../nbs/08_fast_optimizers.ipynb #c016
 class FastStep:
@@ -281,6 +279,6 @@ def plan_fast_step(cbs):
             if func not in multi_tensor_versions: return None
             fused = partial(multi_tensor_versions[func], **dict(keywords))
             names.append(multi_tensor_versions[func].__name__)
-        else: names.append(fused.__name__)
+        else: names.append(fused.func.__name__)
         steps.append(fused); i += length
     return FastStep(steps, names)

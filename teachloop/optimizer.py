@@ -169,6 +169,10 @@ class Optimizer(torch.optim.Optimizer):
                                          "on these parameters; create the optimizer with `fast=None` or `fast=False`")
         return None
 
+    def __getstate__(self):
+        "What `copy.deepcopy` and `pickle` keep: torch's state plus the callbacks (the fast step is planned again)."
+        return {**super().__getstate__(), 'cbs': self.cbs, 'fast': self.fast, '_fast_plan': None}
+
     def clear_state(self):
         "Forget every parameter's state (moving averages, step counts)."
         self.state.clear()

@@ -178,3 +178,18 @@ def test_freeze_to_bad_n():
     assert [all(p.requires_grad for p in g['params']) for g in opt.param_groups] == [False, False, True]
     with pytest.raises(TypeError):
         freeze_to(object(), 1)
+
+
+@pytest.mark.parametrize('factory', [partial(Adam, lr=1e-3), partial(Lamb, lr=1e-3)])
+def test_deepcopy_and_pickle_keep_the_algorithm(factory):
+    import pickle
+    torch.manual_seed(0)
+    model = digits_cnn()
+    opt = factory(model.parameters())
+    batches = list(digits_dls().train)[:4]
+    hand_loop(model, opt, batches[:2])
+    twin_model, twin = copy.deepcopy((model, opt))  # one copy, so the twin optimizer holds the twin's parameters
+    hand_loop(model, opt, batches[2:]); hand_loop(twin_model, twin, batches[2:])
+    assert max_diff(model, twin_model) == 0
+    unpickled = pickle.loads(pickle.dumps(opt))
+    assert unpickled.state_dict()['callbacks'] == opt.state_dict()['callbacks'] and unpickled.fast is None

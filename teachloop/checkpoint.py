@@ -19,9 +19,9 @@ from .learner import Callback, CancelFitException, Learner, atomic_save, check_s
 from .nan_capture import check_count, restore_training_state, rng_states, saveable_rng, set_rng_states
 
 # %% auto #0
-__all__ = ['FORMAT', 'loader_generators', 'recorder_state', 'load_recorder_state', 'checkpoint_state', 'save_checkpoint',
-           'read_checkpoint', 'check_checkpoint_fits', 'restore_checkpoint', 'load_checkpoint', 'Resume',
-           'replace_with_link', 'Checkpoint', 'check_mode', 'TrackerCallback', 'SaveModel', 'EarlyStopping',
+__all__ = ['FORMAT', 'loader_generators', 'recorder_state', 'load_recorder_state', 'load_epoch_in_progress', 'checkpoint_state',
+           'save_checkpoint', 'read_checkpoint', 'check_checkpoint_fits', 'restore_checkpoint', 'load_checkpoint',
+           'Resume', 'replace_with_link', 'Checkpoint', 'check_mode', 'TrackerCallback', 'SaveModel', 'EarlyStopping',
            'ReduceLROnPlateau']
 
 # %% ../nbs/13_checkpoint.ipynb #c005
@@ -34,18 +34,24 @@ def loader_generators(dl):
     return found
 
 # %% ../nbs/13_checkpoint.ipynb #c009
+def _cpu_tensor(tensors): return torch.cat([t.detach().cpu().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+
 def recorder_state(recorder):
-    "The history of `recorder`: batch losses (one tensor), hyper-parameters per batch, rows per epoch."
-    chunks = list(recorder._loss_chunks) + ([torch.stack(recorder._epoch_losses)] if recorder._epoch_losses else [])
-    losses = torch.cat([c.detach().cpu() for c in chunks]) if chunks else torch.zeros(0)
-    return {'losses': losses, 'hps': {k: list(v) for k, v in recorder.hps.items()}, 'values': [list(r) for r in recorder.values]}
+    "The history of `recorder`: batch losses, those of the epoch in progress, hyper-parameters per batch, rows per epoch."
+    return {'losses': _cpu_tensor(recorder._loss_chunks), 'epoch_losses': _cpu_tensor(recorder._epoch_losses),
+            'epoch_sizes': list(recorder._epoch_sizes), 'hps': {k: list(v) for k, v in recorder.hps.items()},
+            'values': [list(r) for r in recorder.values]}
 
 def load_recorder_state(recorder, state):
     "Give `recorder` the history `recorder_state` saved."
     recorder._loss_chunks = [state['losses']] if len(state['losses']) else []
-    recorder._epoch_losses, recorder._epoch_sizes = [], []
     recorder.hps = defaultdict(list, {k: list(v) for k, v in state['hps'].items()})
     recorder.values = [list(r) for r in state['values']]
+    load_epoch_in_progress(recorder, state)
+
+def load_epoch_in_progress(recorder, state):
+    "Give `recorder` the losses of the epoch in progress that `recorder_state` saved."
+    recorder._epoch_losses, recorder._epoch_sizes = list(state['epoch_losses'].unbind()), list(state['epoch_sizes'])
 
 # %% ../nbs/13_checkpoint.ipynb #c011
 FORMAT = 'teachloop-checkpoint'
@@ -53,18 +59,27 @@ FORMAT = 'teachloop-checkpoint'
 def _stateful_callbacks(learn):
     return [cb for cb in learn.cbs if callable(getattr(type(cb), 'state_dict', None))]
 
+def _has_recorder(learn): return any(cb.name == 'recorder' for cb in learn.cbs)
+
+def _epoch_start(learn, epoch):
+    "The loader states a callback noted at the start of `epoch`, or None."
+    for cb in learn.cbs:
+        noted = getattr(cb, 'epoch_start', None)
+        if isinstance(noted, dict) and noted.get('epoch') == epoch: return noted['train']
+    return None
+
 def _progress(learn):
-    n_train = len(learn.dls.train)
-    epochs_done, partial = divmod(learn.train_iter, n_train)
-    recorder = getattr(learn, 'recorder', None) if any(cb.name == 'recorder' for cb in learn.cbs) else None
-    at_boundary = partial == 0 and (recorder is None or len(recorder.values) == epochs_done)
-    return {'epochs_done': epochs_done, 'at_epoch_end': at_boundary, 'n_epoch': learn.n_epoch,
+    epochs_done, batches_done = divmod(learn.train_iter, len(learn.dls.train))
+    rows_complete = not _has_recorder(learn) or len(learn.recorder.values) == epochs_done
+    epoch_start = _epoch_start(learn, epochs_done) if batches_done else None
+    return {'epochs_done': epochs_done, 'batches_done': batches_done, 'epoch_start': epoch_start,
+            'resumable': rows_complete and (batches_done == 0 or epoch_start is not None), 'n_epoch': learn.n_epoch,
             'train_iter': learn.train_iter, 'pct_train': learn.pct_train, 'epoch': learn.epoch, 'iter': learn.iter}
 
 def checkpoint_state(learn):
     "Everything needed to continue `learn`'s fit exactly: weights, optimizer, callbacks, history, random states, progress."
     if learn.opt is None: learn.create_opt()
-    has_recorder = any(cb.name == 'recorder' for cb in learn.cbs)
+    has_recorder = _has_recorder(learn)
     return {'format': FORMAT, 'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(),
             'callbacks': {cb.name: cb.state_dict() for cb in _stateful_callbacks(learn)},
             'recorder': recorder_state(learn.recorder) if has_recorder else None,
@@ -93,10 +108,14 @@ def check_checkpoint_fits(learn, state, n_epoch):
     "Raise `ValueError` if `fit(n_epoch, resume=...)` cannot continue from `state` on `learn`."
     check_state_matches(learn.model, state['model'])
     progress = state['progress']
-    if not progress['at_epoch_end']:
+    if not progress['resumable']:
         raise ValueError(f"this checkpoint was written in the middle of epoch {progress['epoch']} (after "
-                         f"{progress['train_iter']} training steps); a fit can only resume from the end of an epoch. "
-                         "Its weights are good: `learn.load_checkpoint(path)` loads them without resuming")
+                         f"{progress['train_iter']} training steps) without the loader's state at the epoch's start; a "
+                         "fit resumes from the end of an epoch, or from within its training phase when a Checkpoint "
+                         "callback was part of the fit. Its weights are good: `learn.load_checkpoint(path)` loads them")
+    if progress['batches_done'] and not loader_generators(learn.dls.train):
+        raise ValueError("resuming in the middle of an epoch needs a training loader with its own torch.Generator "
+                         "(DataLoader(..., generator=...)), so that the epoch's order can be drawn again")
     if progress['epochs_done'] >= n_epoch:
         raise ValueError(f"the checkpoint has done {progress['epochs_done']} epochs already; resume with "
                          f"fit(n_epoch) where n_epoch > {progress['epochs_done']} (the total, as in the first fit)")
@@ -119,12 +138,13 @@ def restore_checkpoint(learn, state):
     for cb in learn.cbs:
         if cb.name in state['callbacks']: cb.load_state_dict(state['callbacks'][cb.name])
     if state['recorder'] is not None and 'recorder' in names: load_recorder_state(learn.recorder, state['recorder'])
-    for name, saved in state['loaders'].items():
-        for generator, s in zip(loader_generators(getattr(learn.dls, name)), saved): generator.set_state(s)
     progress = state['progress']
+    loaders = {**state['loaders'], 'train': progress['epoch_start'] or state['loaders']['train']}
+    for name, saved in loaders.items():
+        for generator, s in zip(loader_generators(getattr(learn.dls, name)), saved): generator.set_state(s)
     learn.train_iter, learn.pct_train = progress['train_iter'], progress['pct_train']
+    learn.start_epoch, learn.skip_batches = progress['epochs_done'], progress['batches_done']
     set_rng_states(state['rng'])
-    return progress['epochs_done']
 
 def load_checkpoint(learn, path):
     "Load a checkpoint's weights, optimizer and callback states into `learn` without resuming a fit."
@@ -134,13 +154,22 @@ def load_checkpoint(learn, path):
     return learn
 
 class Resume(Callback):
-    "Restore the checkpoint at `path` once every other callback has run `before_fit`; the fit then starts at the next epoch."
+    "Restore the checkpoint at `path` once every other callback has run `before_fit`; the fit then goes on from there."
     order = math.inf
     def __init__(self, learn, path, n_epoch):
         self.state = read_checkpoint(path)
         check_checkpoint_fits(learn, self.state, n_epoch)
 
-    def before_fit(self): self.learn.start_epoch = restore_checkpoint(self.learn, self.state)
+    def before_fit(self):
+        restore_checkpoint(self.learn, self.state)
+        self._epoch_in_progress = self.state['recorder'] if self.state['progress']['batches_done'] else None
+
+    def before_train(self):
+        if self._epoch_in_progress is not None and _has_recorder(self.learn):
+            load_epoch_in_progress(self.recorder, self._epoch_in_progress)
+        self._epoch_in_progress = None
+
+    def after_train(self): self.learn.skip_batches = 0
 
 # %% ../nbs/13_checkpoint.ipynb #c016
 Learner.load_checkpoint = load_checkpoint
@@ -166,9 +195,22 @@ class Checkpoint(Callback):
         check_count('every_n_epochs', every_n_epochs)
         if keep is not None: check_count('keep', keep)
         self.folder, self.every_n_epochs, self.keep = Path(folder), every_n_epochs, keep
+        self.epoch_start, self._in_step, self._ended = None, False, False
 
     @property
     def latest(self): return self.folder / 'latest.pt'
+
+    def before_fit(self): self._in_step, self._ended = False, False
+    def before_train(self):
+        self.epoch_start = {'epoch': self.epoch, 'train': [g.get_state() for g in loader_generators(self.dls.train)]}
+    def before_step(self): self._in_step = True
+    def after_batch(self): self._in_step = False
+    def after_fit(self): self._ended = True
+
+    def cleanup_fit(self):
+        if self._ended or self._in_step or self.train_iter == 0: return
+        path = save_checkpoint(self.learn, self.folder / 'interrupted.pt')
+        print(f"Checkpoint: the fit was interrupted; `fit({self.n_epoch}, resume={str(path)!r})` continues it")
 
     def after_epoch(self):
         done = self.epoch + 1
@@ -178,7 +220,7 @@ class Checkpoint(Callback):
         if self.keep is not None:
             for old in sorted(self.folder.glob('epoch-*.pt'))[:-self.keep]: old.unlink()
 
-# %% ../nbs/13_checkpoint.ipynb #c025
+# %% ../nbs/13_checkpoint.ipynb #c028
 def check_mode(mode):
     "Raise `ValueError` unless `mode` is 'min' or 'max'."
     if mode not in ('min', 'max'):
@@ -216,7 +258,7 @@ class TrackerCallback(Callback):
     def state_dict(self): return {'best': self.best, 'wait': self.wait}
     def load_state_dict(self, state): self.best, self.wait = state['best'], state['wait']
 
-# %% ../nbs/13_checkpoint.ipynb #c027
+# %% ../nbs/13_checkpoint.ipynb #c030
 class SaveModel(TrackerCallback):
     "Save the model's weights to `path` whenever `monitor` improves."
     def __init__(self, monitor, mode, path, min_delta=0.):

@@ -43,6 +43,13 @@ class StopAfterEpoch(Callback):
         if self.epoch == self.stop_epoch: raise CancelFitException()
 
 
+class CtrlCAt(Callback):
+    "Raise KeyboardInterrupt before training batch `at_iter` of epoch `at_epoch`, as a Ctrl-C would."
+    def __init__(self, at_epoch, at_iter): self.at = (at_epoch, at_iter)
+    def before_batch(self):
+        if self.training and (self.epoch, self.iter) == self.at: raise KeyboardInterrupt
+
+
 class Dropout(nn.Module):
     "The digits CNN with a dropout layer, so that the fit draws from torch's global generator every step."
     def __init__(self):
@@ -67,8 +74,9 @@ SETUPS = {
 }
 
 
+@pytest.mark.parametrize('stop', ['after_epoch', 'ctrl_c_mid_epoch'])
 @pytest.mark.parametrize('setup', SETUPS)
-def test_resumed_fit_equals_uninterrupted_fit_bit_for_bit(tmp_path, setup):
+def test_resumed_fit_equals_uninterrupted_fit_bit_for_bit(tmp_path, setup, stop):
     opt_func, lr, scheds = SETUPS[setup]['opt_func'], SETUPS[setup]['lr'], SETUPS[setup]['scheds']
     def sched_cbs(): return [ParamScheduler(scheds())] if scheds else []
     def learner():
@@ -76,10 +84,16 @@ def test_resumed_fit_equals_uninterrupted_fit_bit_for_bit(tmp_path, setup):
     straight = learner()
     straight.fit(4, cbs=sched_cbs())
     stopped = learner()
-    stopped.fit(4, cbs=sched_cbs() + [Checkpoint(tmp_path), StopAfterEpoch(1)])
+    if stop == 'after_epoch':
+        stopped.fit(4, cbs=sched_cbs() + [Checkpoint(tmp_path), StopAfterEpoch(1)])
+        path = tmp_path / 'latest.pt'
+    else:
+        with pytest.raises(KeyboardInterrupt): stopped.fit(4, cbs=sched_cbs() + [Checkpoint(tmp_path), CtrlCAt(2, 7)])
+        path = tmp_path / 'interrupted.pt'
+        assert read_checkpoint(path)['progress']['batches_done'] == 7
     assert not weights_equal(straight, stopped)
     resumed = learner()
-    resumed.fit(4, cbs=sched_cbs(), resume=tmp_path / 'latest.pt')
+    resumed.fit(4, cbs=sched_cbs(), resume=path)
     assert weights_equal(straight, resumed)
     assert history(straight) == history(resumed)
     assert resumed.opt.state_dict()['state'].keys() == straight.opt.state_dict()['state'].keys()
@@ -170,6 +184,23 @@ def test_a_checkpoint_from_the_middle_of_an_epoch_is_refused_for_resume(tmp_path
     with pytest.raises(ValueError, match='middle of epoch 0'): fresh.fit(2, resume=tmp_path / 'mid.pt')
     fresh.load_checkpoint(tmp_path / 'mid.pt')
     assert weights_equal(fresh, learn)
+
+
+def test_interrupted_checkpoint_only_when_the_fit_did_not_end_and_no_step_was_left_half_done(tmp_path):
+    learn = make_learner()
+    learn.fit(1, cbs=[Checkpoint(tmp_path)])
+    assert not (tmp_path / 'interrupted.pt').exists()
+    class FailAfterStep(Callback):
+        def after_step(self):
+            if self.iter == 3: raise RuntimeError('after the step')
+    with pytest.raises(RuntimeError): learn.fit(1, cbs=[Checkpoint(tmp_path), FailAfterStep()])
+    assert not (tmp_path / 'interrupted.pt').exists()
+    class FailBeforeStep(Callback):
+        def before_backward(self):
+            if self.iter == 3: raise RuntimeError('before the step')
+    with pytest.raises(RuntimeError): learn.fit(2, cbs=[Checkpoint(tmp_path), FailBeforeStep()])
+    progress = read_checkpoint(tmp_path / 'interrupted.pt')['progress']
+    assert progress['resumable'] and progress['batches_done'] == 3 and progress['epochs_done'] == 0
 
 
 def test_resume_needs_the_callbacks_whose_state_was_saved(tmp_path):

@@ -22,7 +22,7 @@ __all__ = ['multi_tensor_versions', 'fused_patterns', 'TensorGroup', 'multi_tens
            'momentum_step_multi', 'rms_prop_step_multi', 'step_stat_multi', 'adam_step_multi', 'nesterov_step_multi',
            'qhadam_step_multi', 'radam_step_multi', 'norms', 'decay_factors', 'lamb_step_multi',
            'lars_scale_grad_multi', 'lion_step_multi', 'keep_slow_weights_multi', 'lookahead_step_multi',
-           'callback_key', 'fused_adam_step', 'FastStep', 'plan_fast_step']
+           'callback_key', 'fused_adam_step', 'fused_sgd_step', 'FastStep', 'plan_fast_step']
 
 # %% ../nbs/08_fast_optimizers.ipynb #c004
 class TensorGroup:
@@ -239,10 +239,20 @@ def fused_adam_step(group, lr, mom, sqr_mom, eps, wd, decoupled=True, **kwargs):
                    [], counts, lr=lr, beta1=mom, beta2=sqr_mom, weight_decay=wd if use_wd else 0., eps=eps,
                    amsgrad=False, maximize=False)
 
+def fused_sgd_step(group, lr, mom, nesterov=False, **kwargs):
+    "The undampened average gradient and the (Nesterov) momentum step in one `torch._fused_sgd_` call."
+    if mom == 0:  # the kernel skips the average then, but the callbacks keep it
+        average_grad_multi(group, mom)
+        return (nesterov_step_multi if nesterov else momentum_step_multi)(group, lr=lr, mom=mom)
+    torch._fused_sgd_(group.params, group.grads, group.state_tensors('grad_avg'), weight_decay=0., momentum=mom,
+                      lr=lr, dampening=0., nesterov=nesterov, maximize=False, is_first_step=False)
+
 _adam_tail = [callback_key(partial(average_grad, dampening=True)), callback_key(average_sqr_grad),
               callback_key(step_stat), callback_key(adam_step)]
 fused_patterns = [([callback_key(weight_decay)] + _adam_tail, partial(fused_adam_step, decoupled=True)),
-                  ([callback_key(l2_reg)] + _adam_tail, partial(fused_adam_step, decoupled=False))]
+                  ([callback_key(l2_reg)] + _adam_tail, partial(fused_adam_step, decoupled=False)),
+                  ([callback_key(average_grad), callback_key(momentum_step)], partial(fused_sgd_step, nesterov=False)),
+                  ([callback_key(average_grad), callback_key(nesterov_step)], partial(fused_sgd_step, nesterov=True))]
 
 # %% ../nbs/08_fast_optimizers.ipynb #c016
 class FastStep:

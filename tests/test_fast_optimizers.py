@@ -125,3 +125,20 @@ def test_fast_step_matches_callbacks_on_cuda(name):
         for m, opt in zip(models, opts):
             F.cross_entropy(m(xb), yb).backward(); opt.step(); opt.zero_grad()
     assert max_diff(*models) <= 1e-5
+
+
+@pytest.mark.parametrize('factory', [partial(SGD, lr=0.05, mom=0.9), partial(Nesterov, lr=0.05)])
+def test_momentum_set_to_zero_mid_training(factory, batches):
+    "The fused momentum kernel skips the average at momentum 0; the fast step must still keep it like the callbacks."
+    def run(fast):
+        torch.manual_seed(0)
+        model = digits_cnn()
+        opt = factory(model.parameters(), fast=fast)
+        for i, (xb, yb) in enumerate(batches[:20]):
+            if i == 10: opt.set_hyper('mom', 0.)
+            F.cross_entropy(model(xb), yb).backward(); opt.step(); opt.zero_grad()
+        return model, opt
+    (m1, o1), (m2, o2) = run(False), run(True)
+    assert max_diff(m1, m2) <= 1e-6
+    for p, q in zip(m1.parameters(), m2.parameters()):
+        assert torch.allclose(o1.state[p]['grad_avg'], o2.state[q]['grad_avg'], atol=1e-7)

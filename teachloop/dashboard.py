@@ -96,11 +96,12 @@ class SteeringCallback(Callback):
         self.changes, self.paused_seconds = [], 0.
 
     def before_batch(self):
-        if self.controls.paused: self._wait_while_paused()
-        if self.controls.stop_requested: raise CancelFitException()
-        if self.training and self.controls.version != self._version: self._take_requests()
-        if self.training and self._held:
-            for name, value in self._held.items(): self.opt.set_hyper(name, value)
+        controls = self.controls
+        if controls.paused: self._wait_while_paused()
+        if controls.stop_requested: raise CancelFitException()
+        if not self.learn.training: return
+        if controls.version != self._version: self._take_requests()
+        for name, value in self._held.items(): self.learn.opt.set_hyper(name, value)
 
     def cleanup_fit(self): self.controls.finish_fit()
 
@@ -208,10 +209,8 @@ class DeviceBuffer:
         self.capacity, self.count, self.values = capacity, 0, None
 
     def push(self, value:torch.Tensor):
-        "Copy `value` into the next slot, on its device (no host-device sync)."
-        if self.values is None or self.values.device != value.device:
-            if self.count: raise RuntimeError("values moved to another device: drain() the buffer first")
-            self.values = torch.empty(self.capacity, device=value.device)
+        "Copy `value` into the next slot, on the device of the first value pushed (no host-device sync)."
+        if self.values is None: self.values = torch.empty(self.capacity, device=value.device)
         self.values[self.count] = value
         self.count += 1
 
@@ -440,13 +439,15 @@ def after_step(self):
     self._update_ratio, self._measure_next_step = None, False
 
 def after_batch(self):
-    size = len(self.yb[0])
-    if self.training:
-        self._losses.push(self.loss)
-        self._hyper_rows.append([g[n] for n in self._hyper_names for g in self.opt.param_groups])
+    learn = self.learn  # read once: each `self.<learner attribute>` goes through a failed look-up first
+    size = len(learn.yb[0])
+    if learn.training:
+        self._losses.push(learn.loss)
+        groups = learn.opt.param_groups
+        self._hyper_rows.append([g[n] for n in self._hyper_names for g in groups])
         self.samples += size
     else:
-        weighted = self.loss.float() * size
+        weighted = learn.loss.float() * size
         self._valid_sum = weighted if self._valid_sum is None else self._valid_sum + weighted
         self._valid_count += size
     self.batches_done += 1

@@ -186,10 +186,12 @@ def _steering_callback(learn, cbs):
 def fit_background(learn,
                    n_epoch:int,  # number of epochs, as in `Learner.fit`
                    cbs=None,  # callbacks for this fit only (one or a list)
-                   **fit_kwargs,  # the other arguments of `Learner.fit` (lr, wd, reset_opt)
+                   fit=None,  # the fit method to run, e.g. `learn.fit_one_cycle`; None: `learn.fit`
+                   **fit_kwargs,  # its other arguments (lr, wd, reset_opt, ...)
                   ) -> FitHandle:
-    "Start `learn.fit(n_epoch, ...)` in a background thread and return its `FitHandle` at once."
+    "Start `learn.fit(n_epoch, ...)` (or `fit(n_epoch, ...)`) in a background thread and return its `FitHandle` at once."
     _check_fit_args(n_epoch, fit_kwargs.get('lr'), fit_kwargs.get('wd'))
+    fit = learn.fit if fit is None else fit
     running = _running_fits.get(learn)
     if running is not None and not running.done:
         raise RuntimeError("this learner is still training in the background: `handle.wait()` or "
@@ -199,7 +201,7 @@ def fit_background(learn,
     steering.show()
     handle = FitHandle(learn, steering.controls)
     _running_fits[learn] = handle
-    return handle.start(lambda: learn.fit(n_epoch, cbs=cbs, **fit_kwargs))
+    return handle.start(lambda: fit(n_epoch, cbs=cbs, **fit_kwargs))
 
 # %% ../nbs/11_dashboard.ipynb #c021
 class DeviceBuffer:

@@ -177,14 +177,14 @@ def test_requested_hyper_is_applied_from_the_next_batch_and_held_against_a_sched
     assert steering.changes == [(5, 'lr', 7e-4)]
 
 
-def test_a_moved_slider_wins_over_one_cycle():
+def test_a_moved_slider_wins_over_one_cycle_in_the_background():
     import teachloop.schedule  # adds Learner.fit_one_cycle
     dashboard = TrainingDashboard()
     class Request(Callback):
         def after_batch(self):
             if self.training and self.train_iter == 8: dashboard.controls.set_hyper('lr', 2e-4)
     learn = digits_learner(cbs=[dashboard, Request()])
-    learn.fit_one_cycle(1, 1e-2)
+    fit_background(learn, 1, fit=learn.fit_one_cycle, lr_max=1e-2).wait(timeout=60)
     lrs = learn.recorder.lrs
     assert len(set(lrs[:8])) == 8 and set(lrs[8:]) == {2e-4}  # the schedule, then the held value
     assert dashboard.hyper_series[('lr', 0)].y.tolist() == lrs and dashboard.changes == [(8, 'lr', 2e-4)]

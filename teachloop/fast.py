@@ -168,8 +168,10 @@ def norms(tensors):
     return torch.stack(torch._foreach_norm(tensors))
 
 def decay_factors(group, wd):
-    "`wd` for the parameters that take weight decay, 0 for the others, as a tensor."
-    return torch.tensor([wd if s.get('do_wd', True) else 0. for s in group.states], device=group.params[0].device)
+    "`wd` for the parameters that take weight decay, 0 for the others: a number when they all take it, else a tensor."
+    decayed = [s.get('do_wd', True) for s in group.states]
+    if all(decayed): return wd
+    return torch.tensor([wd if d else 0. for d in decayed], device=group.params[0].device)
 
 @multi_tensor_version_of(lamb_step)
 @per_step_count
@@ -182,9 +184,9 @@ def lamb_step_multi(group, lr, mom, sqr_mom, eps, wd, step, **kwargs):
     decayed = [i for i, s in enumerate(group.states) if s.get('do_wd', True)]
     if wd != 0 and decayed:
         torch._foreach_add_([updates[i] for i in decayed], [group.params[i] for i in decayed], alpha=wd)
-    ratios = trust_ratio(norms(group.params), norms(updates)).unbind()
-    for state, ratio in zip(group.states, ratios): state['trust_ratio'] = ratio
-    torch._foreach_mul_(updates, [ratio * lr for ratio in ratios])
+    ratios = trust_ratio(norms(group.params), norms(updates))
+    for state, ratio in zip(group.states, ratios.unbind()): state['trust_ratio'] = ratio
+    torch._foreach_mul_(updates, list((ratios * lr).unbind()))
     torch._foreach_sub_(group.params, updates)
 
 @multi_tensor_version_of(lars_scale_grad)
@@ -234,7 +236,8 @@ def fused_adam_step(group, lr, mom, sqr_mom, eps, wd, decoupled=True, **kwargs):
     for use_wd in set(decayed):
         part = group.subset([i for i, d in enumerate(decayed) if d == use_wd])
         for step, subgroup in part.by_step():
-            counts = [torch.tensor(float(step), device=subgroup.params[0].device)] * len(subgroup)
+            # filled on the device: a tensor copied from the host would make a CUDA step wait for the GPU
+            counts = [torch.full((), float(step), device=subgroup.params[0].device)] * len(subgroup)
             kernel(subgroup.params, subgroup.grads, subgroup.state_tensors('grad_avg'), subgroup.state_tensors('sqr_avg'),
                    [], counts, lr=lr, beta1=mom, beta2=sqr_mom, weight_decay=wd if use_wd else 0., eps=eps,
                    amsgrad=False, maximize=False)

@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 import weakref
 
 import numpy as np
@@ -535,12 +536,15 @@ TrainingDashboard.snapshot, TrainingDashboard.status = snapshot, status
 def cleanup_fit(self):
     super(TrainingDashboard, self).cleanup_fit()
     if not hasattr(self, '_losses'): return
-    self.tick()
-    if self._display is not None:
-        self._display.close()
-        self.frames, self.plot, self._display = self._display.frames, self._display.plot, None
-        self.widget.end_fit()
-    else: self._show_final()
+    try: self.tick()
+    except Exception as e: warnings.warn(f"the dashboard could not read the fit's last values: {type(e).__name__}: {e}")
+    finally: self._close_display()
+
+def _close_display(self):
+    if self._display is None: return self._show_final()
+    self._display.close()
+    self.frames, self.plot, self._display = self._display.frames, self._display.plot, None
+    self.widget.end_fit()
 
 def _show_final(self):
     "Draw the final figure once, if someone will see it: under IPython, or in the file `save_path`."
@@ -553,7 +557,7 @@ def _show_final(self):
         from IPython.display import Image, display
         display(Image(self.plot.png()))
 
-TrainingDashboard.cleanup_fit, TrainingDashboard._show_final = cleanup_fit, _show_final
+TrainingDashboard.cleanup_fit, TrainingDashboard._close_display, TrainingDashboard._show_final = cleanup_fit, _close_display, _show_final
 
 # %% ../nbs/11_dashboard.ipynb #c054
 _SLIDERS = {  # name: (description, log scale, min, max, step)
@@ -634,7 +638,7 @@ class LiveDisplay:
             self._latest = snapshot
             self._wake.notify()
 
-    def close(self, timeout=30):
+    def close(self, timeout=10):
         "Draw what was submitted last, then end the thread."
         with self._wake:
             self._closing = True

@@ -325,6 +325,18 @@ def test_live_widget_draws_frames_and_writes_only_into_the_controls():
     assert dashboard.controls.stop_requested
 
 
+def test_an_error_in_the_fit_is_not_hidden_by_a_failing_final_tick(monkeypatch):
+    def unreadable(*args, **kwargs): raise RuntimeError("device lost")
+    monkeypatch.setattr(dash, 'effective_lr_stats', unreadable)
+    class Broken(Callback):
+        def after_loss(self):
+            if self.train_iter == 3: raise ValueError("the fit's own error")
+    learn = digits_learner()
+    with pytest.warns(UserWarning, match='device lost'), pytest.raises(ValueError, match="fit's own error"):
+        learn.fit(1, cbs=[TrainingDashboard(refresh=1e9), Broken()])
+    assert len(learn.recorder.losses) == 3
+
+
 def test_dashboard_rejects_bad_settings():
     with pytest.raises(ValueError, match='refresh'): TrainingDashboard(refresh=-1)
     with pytest.raises(ValueError, match='max_points'): BoundedSeries(max_points=2)

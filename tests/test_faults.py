@@ -159,8 +159,8 @@ def test_the_dashboard_stop_from_its_thread():
         def before_batch(self):
             if self.training and self.epoch == 0 and self.iter == 6:
                 started.wait(10)
-                threading.Thread(target=handles[0].stop).start()
-                handles[0].controls._stop.wait(10)
+                stopper = threading.Thread(target=handles[0].stop)
+                stopper.start(); stopper.join(10)
     handles.append(dashboard.fit_background(learn, 2, cbs=[StopFromOutside()]))
     started.set()
     handle = handles[0]

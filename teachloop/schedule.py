@@ -189,8 +189,8 @@ def _group_lrs(learn, lr):
     for v in values: check_hyper('lr', v)
     return values
 
-def _fit_scheduled(learn, n_epoch, scheds, wd, cbs):
-    learn.fit(n_epoch, wd=wd, cbs=[ParamScheduler(scheds)] + list(cbs or []))
+def _fit_scheduled(learn, n_epoch, scheds, wd, cbs, resume):
+    learn.fit(n_epoch, wd=wd, cbs=[ParamScheduler(scheds)] + list(cbs or []), resume=resume)
 
 def fit_one_cycle(self,
                   n_epoch:int,  # number of epochs
@@ -201,6 +201,7 @@ def fit_one_cycle(self,
                   wd=None,  # weight decay for this fit; None keeps the optimizer's
                   moms=None,  # momentum (start, middle, end); None: the learner's `moms`
                   cbs=None,  # extra callbacks for this fit
+                  resume=None,  # checkpoint to continue from (see `Learner.fit`)
                  ):
     "Fit with the one-cycle policy: cosine warm-up of the learning rate to `lr_max`, cosine decay; momentum the other way."
     _check_fit_args(n_epoch, None, wd)
@@ -213,7 +214,7 @@ def fit_one_cycle(self,
         raise ValueError(f"moms given, but the optimizer has no 'mom' hyper-parameter (it has {sorted(self.opt.hypers[0])})")
     scheds = one_cycle_scheds(_group_lrs(self, lr_max), div, div_final, pct_start,
                               (self.moms if moms is None else moms) if has_mom else None)
-    _fit_scheduled(self, n_epoch, scheds, wd, cbs)
+    _fit_scheduled(self, n_epoch, scheds, wd, cbs, resume)
 
 # %% ../nbs/06_schedule.ipynb #c029
 def fit_flat_cos(self,
@@ -223,6 +224,7 @@ def fit_flat_cos(self,
                  pct_start=0.75,  # share of training at the flat learning rate
                  wd=None,  # weight decay for this fit; None keeps the optimizer's
                  cbs=None,  # extra callbacks for this fit
+                 resume=None,  # checkpoint to continue from (see `Learner.fit`)
                 ):
     "Fit with a flat learning rate for `pct_start` of training, then a cosine decay to `lr/div_final`."
     _check_fit_args(n_epoch, None, wd)
@@ -230,7 +232,7 @@ def fit_flat_cos(self,
     if self.opt is None: self.create_opt()
     def lr_sched(top): return combined_cos(pct_start, top, top, top / div_final)
     lrs = _group_lrs(self, lr)
-    _fit_scheduled(self, n_epoch, {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs)
+    _fit_scheduled(self, n_epoch, {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs, resume)
 
 def sgdr_epochs(n_cycles, cycle_len, cycle_mult=2):
     "The length in epochs of each of the `n_cycles` cycles of SGDR."
@@ -246,6 +248,7 @@ def fit_sgdr(self,
              cycle_mult=2,  # each cycle is this many times longer than the one before
              wd=None,  # weight decay for this fit; None keeps the optimizer's
              cbs=None,  # extra callbacks for this fit
+             resume=None,  # checkpoint to continue from (see `Learner.fit`)
             ):
     "Fit with warm restarts: `n_cycles` cosine decays from `lr_max` to 0, each `cycle_mult` times longer than the last."
     epochs = sgdr_epochs(n_cycles, cycle_len, cycle_mult)
@@ -253,7 +256,7 @@ def fit_sgdr(self,
     if self.opt is None: self.create_opt()
     def lr_sched(top): return combine_scheds([e / sum(epochs) for e in epochs], [partial(annealing_cos, top, 0.)] * len(epochs))
     lrs = _group_lrs(self, lr_max)
-    _fit_scheduled(self, sum(epochs), {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs)
+    _fit_scheduled(self, sum(epochs), {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs, resume)
 
 Learner.fit_one_cycle, Learner.fit_flat_cos, Learner.fit_sgdr = fit_one_cycle, fit_flat_cos, fit_sgdr
 

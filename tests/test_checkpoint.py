@@ -13,20 +13,7 @@ from teachloop.data import digits_cnn, digits_dls
 from teachloop.learner import Callback, CancelFitException, Learner
 from teachloop.optimizer import SGD, Adam
 
-try:
-    from teachloop.schedule import ParamScheduler, one_cycle_scheds
-except ImportError:  # the schedule notebook is optional for these tests: a minimal one-cycle of the same shape
-    class ParamScheduler(Callback):
-        run_valid = False
-        def __init__(self, scheds): self.scheds = scheds
-        def before_batch(self):
-            for name, sched in self.scheds.items(): self.opt.set_hyper(name, sched(self.pct_train))
-
-    def one_cycle_scheds(lr_max, pct_start=0.25, div=25., div_final=1e5, moms=(0.95, 0.85, 0.95)):
-        def cos(a, b, p): return b + (a - b) * (1 + math.cos(math.pi * p)) / 2
-        def two_phase(a, b, c):
-            return lambda pct: cos(a, b, pct / pct_start) if pct < pct_start else cos(b, c, (pct - pct_start) / (1 - pct_start))
-        return {'lr': two_phase(lr_max / div, lr_max, lr_max / div_final), 'mom': two_phase(*moms)}
+from teachloop.schedule import ParamScheduler, one_cycle_scheds
 
 
 def make_learner(opt_func=Adam, lr=3e-3, seed=0, model_fn=digits_cnn, **kwargs):
@@ -103,14 +90,12 @@ def test_resumed_fit_equals_uninterrupted_fit_bit_for_bit(tmp_path, setup, stop)
 
 
 def test_resume_with_fit_one_cycle_from_the_schedule_module(tmp_path):
-    schedule = pytest.importorskip('teachloop.schedule')
     straight = make_learner()
     straight.fit_one_cycle(3, 1e-2)
     stopped = make_learner()
     stopped.fit_one_cycle(3, 1e-2, cbs=[Checkpoint(tmp_path), StopAfterEpoch(0)])
     resumed = make_learner()
-    resumed.fit(3, cbs=[schedule.ParamScheduler(schedule.one_cycle_scheds(1e-2, moms=resumed.moms))],
-                resume=tmp_path / 'latest.pt')
+    resumed.fit_one_cycle(3, 1e-2, resume=tmp_path / 'latest.pt')
     assert weights_equal(straight, resumed) and history(straight) == history(resumed)
 
 

@@ -346,8 +346,8 @@ def test_lr_find_plot_marks_every_suggestion():
 # --- OptimWrapper ------------------------------------------------------------------------------------------------------
 
 def test_param_scheduler_with_optim_wrapper():
-    interop = pytest.importorskip('teachloop.interop', reason='teachloop.interop (OptimWrapper) is not built yet')
-    def opt_func(params, lr): return interop.OptimWrapper(torch.optim.SGD(params, lr=lr, momentum=0.9))
+    from teachloop.interop import OptimWrapper
+    def opt_func(params, lr): return OptimWrapper(params, torch.optim.SGD, lr=lr, momentum=0.9)
     learn = tiny_learner(9, opt_func=opt_func)
     learn.fit_one_cycle(1, lr_max=0.05)
     lrs, moms = learn.recorder.hps['lr'], learn.recorder.hps['mom']

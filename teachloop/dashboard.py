@@ -467,14 +467,15 @@ for f in (before_step, after_step, after_batch, after_train, after_validate): se
 
 # %% ../nbs/11_dashboard.ipynb #c048
 def tick(self, now=None):
-    "Copy the new values from the device, compute the layer statistics, and hand a snapshot to the display."
+    "Copy the new values from the device; when drawing live, compute the effective lrs and hand a snapshot to the display."
     self._drain()
-    self._read_effective_lrs()
     self._measure_next_step = True
     self.ticks += 1
     self.last_status = self.status()
     self._next_tick = (now or time.perf_counter()) + self.refresh
-    if self._display is not None: self._display.submit(self.snapshot())
+    if self._display is None: return
+    self._read_effective_lrs()
+    self._display.submit(self.snapshot())
 
 def _drain(self):
     losses = self._losses.drain()
@@ -536,7 +537,9 @@ TrainingDashboard.snapshot, TrainingDashboard.status = snapshot, status
 def cleanup_fit(self):
     super(TrainingDashboard, self).cleanup_fit()
     if not hasattr(self, '_losses'): return
-    try: self.tick()
+    try:
+        self._read_effective_lrs()
+        self.tick()
     except Exception as e: warnings.warn(f"the dashboard could not read the fit's last values: {type(e).__name__}: {e}")
     finally: self._close_display()
 

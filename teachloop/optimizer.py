@@ -96,11 +96,14 @@ def check_state_dict_fits(opt, state_dict):
     for i, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
         _check_group_fits(i, saved, group, opt.defaults, state_dict['state'])
 
+# Keys torch.optim.Optimizer adds to `defaults` by itself (on loading a state), not hyper-parameters of ours.
+_TORCH_BOOKKEEPING = {'differentiable', 'foreach', 'fused', 'capturable', 'maximize'}
+
 def _check_group_fits(i, saved, group, defaults, saved_state):
     if len(saved['params']) != len(group['params']):
         raise ValueError(f"group {i} of the state has {len(saved['params'])} parameters, this optimizer's "
                          f"{len(group['params'])}")
-    missing = sorted(set(defaults) - set(saved))
+    missing = sorted(set(defaults) - set(saved) - _TORCH_BOOKKEEPING)
     if missing: raise ValueError(f"group {i} of the state lacks hyper-parameters {missing}: another optimizer saved it")
     for index, p in zip(saved['params'], group['params']):
         for name, value in saved_state.get(index, {}).items():

@@ -89,3 +89,16 @@ def test_set_hyper_bad_value_leaves_optimizer_unchanged():
     with pytest.raises(KeyError, match='nesterov'):
         opt.set_hyper('nesterov', True)
     assert [h['lr'] for h in opt.hypers] == [0.1, 0.1]
+
+
+@pytest.mark.parametrize('make', [lambda p: Adam(p, lr=1e-3), lambda p: SGD(p, lr=1e-3, mom=0.9)])
+def test_state_dict_can_be_loaded_again_and_again(make):
+    model = torch.nn.Linear(3, 2)
+    opt = make(model.parameters())
+    model(torch.randn(4, 3)).sum().backward(); opt.step()
+    saved = opt.state_dict()
+    opt.load_state_dict(saved)
+    opt.load_state_dict(opt.state_dict())
+    fresh = make(model.parameters())
+    fresh.load_state_dict(saved); fresh.load_state_dict(saved)
+    assert fresh.state_dict()['state'].keys() == saved['state'].keys()

@@ -5,6 +5,7 @@
 # %% ../nbs/11_dashboard.ipynb #c003
 from __future__ import annotations
 
+import atexit
 import io
 import math
 import os
@@ -28,8 +29,9 @@ from .optimizer import check_hyper
 # %% auto #0
 __all__ = ['FitControls', 'SteeringCallback', 'FitHandle', 'as_callback_list', 'fit_background', 'DeviceBuffer',
            'downsample_minmax', 'BoundedSeries', 'RunningSmoother', 'DashboardPlot', 'update', 'png',
-           'TrainingDashboard', 'before_fit', 'before_step', 'after_step', 'after_batch', 'after_train',
-           'after_validate', 'tick', 'snapshot', 'status', 'cleanup_fit', 'DashboardWidget', 'LiveDisplay']
+           'TrainingDashboard', 'before_fit', 'wait_drawn', 'frames', 'before_step', 'after_step', 'after_batch',
+           'after_train', 'after_validate', 'tick', 'snapshot', 'status', 'cleanup_fit', 'DashboardWidget',
+           'LiveDisplay']
 
 # %% ../nbs/11_dashboard.ipynb #c004
 class FitControls:
@@ -397,8 +399,8 @@ class TrainingDashboard(SteeringCallback):
         super().__init__(controls)
         self.refresh, self.max_points, self.save_path, self.buffer_size = refresh, max_points, save_path, buffer_size
         self.live = _in_live_frontend() if live is None else live
-        self.plot, self.widget, self.frames, self.ticks, self.last_status = None, None, 0, 0, ''
-        self._display = None
+        self.plot, self.widget, self.ticks, self.last_status = None, None, 0, ''
+        self._display = self._last_display = None
 
     def show(self):
         "Display the dashboard's widget now (in the cell that runs this), when drawing live."
@@ -428,9 +430,20 @@ def before_fit(self):
 def _start_display(self):
     self.show()
     self.widget.start_fit(self.opt, self._held, can_steer=self._background)
-    self._display = LiveDisplay(self.widget, self.plot)
+    self.wait_drawn()  # the last fit's display may still draw its final frame into the figure
+    self._display = LiveDisplay(self.widget, getattr(self._last_display, 'plot', None))
+
+def wait_drawn(self, timeout=10):
+    "Wait until the last frame of the last fit is drawn (it is drawn after `fit` returns)."
+    if self._last_display is not None: self._last_display.join(timeout)
+
+def frames(self):
+    "Frames drawn live in the current (or last) fit."
+    display = self._display or self._last_display
+    return display.frames if display is not None else 0
 
 TrainingDashboard.before_fit, TrainingDashboard._start_display = before_fit, _start_display
+TrainingDashboard.wait_drawn, TrainingDashboard.frames = wait_drawn, property(frames)
 
 # %% ../nbs/11_dashboard.ipynb #c046
 def before_step(self):
@@ -545,8 +558,8 @@ def cleanup_fit(self):
 
 def _close_display(self):
     if self._display is None: return self._show_final()
-    self._display.close()
-    self.frames, self.plot, self._display = self._display.frames, self._display.plot, None
+    self._display.close(wait=False)  # the fit need not wait for its last frame
+    self._last_display, self._display = self._display, None
     self.widget.end_fit()
 
 def _show_final(self):
@@ -622,7 +635,17 @@ class DashboardWidget:
         else: self.controls.pause()
         self.pause_button.description = 'Resume' if self.controls.paused else 'Pause'
 
-# %% ../nbs/11_dashboard.ipynb #c056
+# %% ../nbs/11_dashboard.ipynb #c057
+_live_displays = weakref.WeakSet()
+
+@atexit.register
+def _finish_threads_at_exit(timeout=10):
+    for handle in list(_running_fits.values()): handle.stop()
+    for handle in list(_running_fits.values()):
+        if handle._thread is not None: handle._thread.join(timeout)
+    for display in list(_live_displays): display.close(timeout=timeout)
+
+# %% ../nbs/11_dashboard.ipynb #c058
 class LiveDisplay:
     "A thread that draws the newest submitted snapshot into a `DashboardWidget`, in at most `max_share` of the time."
     def __init__(self, widget:DashboardWidget,
@@ -634,6 +657,7 @@ class LiveDisplay:
         self._wake = threading.Condition()
         self._thread = threading.Thread(target=self._run, name='teachloop-dashboard', daemon=True)
         self._thread.start()
+        _live_displays.add(self)
 
     def submit(self, snapshot):
         "Draw `snapshot` next, replacing one not drawn yet."
@@ -641,12 +665,14 @@ class LiveDisplay:
             self._latest = snapshot
             self._wake.notify()
 
-    def close(self, timeout=10):
-        "Draw what was submitted last, then end the thread."
+    def close(self, wait=True, timeout=10):
+        "Draw what was submitted last, then end the thread; `wait` for that (at most `timeout` seconds)."
         with self._wake:
             self._closing = True
             self._wake.notify()
-        self._thread.join(timeout)
+        if wait: self.join(timeout)
+
+    def join(self, timeout=10): self._thread.join(timeout)
 
     def _run(self):
         while True:

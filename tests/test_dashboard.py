@@ -1,5 +1,7 @@
 "Tests of the dashboard notebook: controls, device buffers, downsampling, steering from other threads, background fits."
 import math
+import os
+import subprocess
 import sys
 import threading
 import time
@@ -315,6 +317,7 @@ def test_live_widget_draws_frames_and_writes_only_into_the_controls():
     widget = dashboard.widget
     assert widget is not None
     handle.wait(timeout=120)
+    dashboard.wait_drawn()
     assert dashboard.frames >= 1 and widget.image.value[:4] == b'\x89PNG'
     assert f'<span class="tl-frame">{dashboard.frames}</span>' in widget.status.value
     assert set(widget.sliders) == {'lr', 'mom', 'sqr_mom', 'wd'} and widget.stop_button.disabled
@@ -335,6 +338,27 @@ def test_an_error_in_the_fit_is_not_hidden_by_a_failing_final_tick(monkeypatch):
     with pytest.warns(UserWarning, match='device lost'), pytest.raises(ValueError, match="fit's own error"):
         learn.fit(1, cbs=[TrainingDashboard(refresh=1e9), Broken()])
     assert len(learn.recorder.losses) == 3
+
+
+EXIT_DURING_FIT = """
+import time, torch
+from torch import nn
+from teachloop.dashboard import TrainingDashboard, fit_background
+from teachloop.data import digits_cnn, digits_dls
+from teachloop.learner import Learner
+learn = Learner(digits_dls(), digits_cnn(), nn.functional.cross_entropy, default_cbs=False)
+handle = fit_background(learn, 1000, cbs=[TrainingDashboard(live=True, refresh=0.)])
+while learn.train_iter < 5: time.sleep(0.01)
+print('leaving during the fit', flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_a_script_ending_during_a_background_fit_exits_cleanly():
+    done = subprocess.run([sys.executable, '-c', EXIT_DURING_FIT], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert 'leaving during the fit' in done.stdout and 'terminate' not in done.stderr
 
 
 def test_dashboard_rejects_bad_settings():

@@ -202,9 +202,12 @@ def fit_background(learn,
     cbs = as_callback_list(cbs)
     steering = _steering_callback(learn, cbs)
     steering.show()
+    def run():
+        try: fit(n_epoch, cbs=cbs, **fit_kwargs)
+        finally: _running_fits.pop(learn, None)  # the handle refers to the learner: keep no entry once done
     handle = FitHandle(learn, steering.controls)
     _running_fits[learn] = handle
-    return handle.start(lambda: fit(n_epoch, cbs=cbs, **fit_kwargs))
+    return handle.start(run)
 
 # %% ../nbs/11_dashboard.ipynb #c021
 class DeviceBuffer:

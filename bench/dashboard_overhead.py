@@ -18,8 +18,8 @@ Variants:
 - `live`: the same with `live=True`: a display thread draws every tick's frame (PNG into an ipywidgets Image without
   a frontend). Drawing competes with the fit for the CPU and the GIL, so this is the cost of watching on a CPU fit.
 
-The live variant runs longer fits (`--live-epochs`): its cost has a fixed part (the figure is made, and the last frame
-is drawn before `fit` returns) and a steady part (at most ~20 % of the time spent drawing, by design).
+The live variant runs longer fits (`--live-epochs`): its cost has a fixed part (the widgets and the figure are made)
+and a steady part (the display thread draws in at most ~20 % of the time, by design, but holds the GIL meanwhile).
 
     .venv/bin/python bench/dashboard_overhead.py [--runs 11] [--epochs 5] [--live-epochs 15] [--variants headless live]
 """

@@ -23,15 +23,14 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import NullLocator
 
 from .effective_lr import UpdateRatio, effective_lr_stats
-from .learner import Callback, CancelFitException, _check_fit_args
+from .learner import Callback, CancelFitException, callback_list, check_fit_args
 from .optimizer import check_hyper
 
 # %% auto #0
-__all__ = ['FitControls', 'SteeringCallback', 'FitHandle', 'as_callback_list', 'fit_background', 'DeviceBuffer',
-           'downsample_minmax', 'BoundedSeries', 'RunningSmoother', 'DashboardPlot', 'update', 'png',
-           'TrainingDashboard', 'before_fit', 'wait_drawn', 'frames', 'before_step', 'after_step', 'after_batch',
-           'after_train', 'after_validate', 'tick', 'snapshot', 'status', 'cleanup_fit', 'DashboardWidget',
-           'LiveDisplay']
+__all__ = ['FitControls', 'SteeringCallback', 'FitHandle', 'fit_background', 'DeviceBuffer', 'downsample_minmax', 'BoundedSeries',
+           'RunningSmoother', 'DashboardPlot', 'update', 'png', 'TrainingDashboard', 'before_fit', 'wait_drawn',
+           'frames', 'before_step', 'after_step', 'after_batch', 'after_train', 'after_validate', 'tick', 'snapshot',
+           'status', 'cleanup_fit', 'DashboardWidget', 'LiveDisplay']
 
 # %% ../nbs/11_dashboard.ipynb #c004
 class FitControls:
@@ -170,11 +169,6 @@ class FitHandle:
 # %% ../nbs/11_dashboard.ipynb #c014
 _running_fits = weakref.WeakKeyDictionary()
 
-def as_callback_list(cbs):
-    "`cbs` as a new list: None, one callback, or an iterable of them."
-    if cbs is None: return []
-    return [cbs] if isinstance(cbs, Callback) else list(cbs)
-
 def _steering_callback(learn, cbs):
     "The steering callback among `cbs` and the learner's own callbacks; a new one added to `cbs` if there is none."
     found = [cb for cb in cbs + list(learn.cbs) if isinstance(cb, SteeringCallback)]
@@ -193,13 +187,13 @@ def fit_background(learn,
                    **fit_kwargs,  # its other arguments (lr, wd, reset_opt, ...)
                   ) -> FitHandle:
     "Start `learn.fit(n_epoch, ...)` (or `fit(n_epoch, ...)`) in a background thread and return its `FitHandle` at once."
-    _check_fit_args(n_epoch, fit_kwargs.get('lr'), fit_kwargs.get('wd'))
+    check_fit_args(n_epoch, fit_kwargs.get('lr'), fit_kwargs.get('wd'))
     fit = learn.fit if fit is None else fit
     running = _running_fits.get(learn)
     if running is not None and not running.done:
         raise RuntimeError("this learner is still training in the background: `handle.wait()` or "
                            "`handle.stop().wait()` before starting another fit")
-    cbs = as_callback_list(cbs)
+    cbs = callback_list(cbs)
     steering = _steering_callback(learn, cbs)
     steering.show()
     def run():

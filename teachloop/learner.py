@@ -23,9 +23,9 @@ from .optimizer import Adam, check_hyper
 __all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'CancelBatchException', 'CancelBackwardException',
            'CancelStepException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
            'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'TrainEvalCallback', 'default_splitter',
-           'Learner', 'add_cbs', 'remove_cbs', 'added_cbs', 'keyboard_interrupt_deferred', 'create_opt', 'fit',
-           'save_checkpoint', 'GatherPreds', 'validate', 'get_preds', 'predict', 'atomic_save', 'check_state_matches',
-           'save', 'load', 'EventLog']
+           'Learner', 'add_cbs', 'remove_cbs', 'added_cbs', 'keyboard_interrupt_deferred', 'callback_list',
+           'check_fit_args', 'create_opt', 'fit', 'save_checkpoint', 'GatherPreds', 'validate', 'get_preds', 'predict',
+           'atomic_save', 'check_state_matches', 'save', 'load', 'EventLog']
 
 # %% ../nbs/02_learner.ipynb #c004
 class CancelBatchException(Exception):
@@ -388,7 +388,13 @@ def _check_loaders(dls):
             raise ValueError(f"the {name} data loader has no batches (is the dataset empty, or drop_last=True with "
                              "fewer items than the batch size?)")
 
-def _check_fit_args(n_epoch, lr, wd):
+def callback_list(cbs):
+    "`cbs` as a list: None gives [], a single callback [cb]."
+    if cbs is None: return []
+    return [cbs] if isinstance(cbs, (Callback, type)) else list(cbs)
+
+def check_fit_args(n_epoch, lr, wd):
+    "Raise a clear error for a bad number of epochs, learning rate or weight decay, before anything changes."
     if isinstance(n_epoch, bool) or not isinstance(n_epoch, int) or n_epoch < 1:
         raise ValueError(f"n_epoch must be a whole number >= 1, got {n_epoch!r}")
     if lr is not None and not isinstance(lr, (slice, list, tuple)): check_hyper('lr', lr)
@@ -408,11 +414,16 @@ def fit(self,
         cbs=None,  # callbacks used for this fit only
         reset_opt=False,  # create a fresh optimizer (forgetting its state) first
         resume=None,  # path of a checkpoint to continue from (see `save_checkpoint`)
+        background=False,  # run the fit in a background thread and return its handle at once (see `dashboard`)
        ):
     "Train for `n_epoch` epochs."
-    _check_fit_args(n_epoch, lr, wd)
+    if background:
+        from teachloop.dashboard import fit_background  # the dashboard builds on this module: imported when needed
+        return fit_background(self, n_epoch, cbs=cbs, lr=lr, wd=wd, reset_opt=reset_opt, resume=resume)
+    cbs = callback_list(cbs)
+    check_fit_args(n_epoch, lr, wd)
     _check_loaders(self.dls)
-    if resume is not None: cbs = list(cbs or []) + [_resume_callback(self, resume, n_epoch)]
+    if resume is not None: cbs = cbs + [_resume_callback(self, resume, n_epoch)]
     with self.added_cbs(cbs):
         if self.opt is None or reset_opt: self.create_opt()
         if lr is not None: self.opt.set_hyper('lr', lr)

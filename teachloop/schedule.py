@@ -19,7 +19,7 @@ import torch
 
 from .callbacks import smooth_values
 from .data import DataLoaders
-from .learner import CancelFitException, Callback, Learner, _check_fit_args
+from .learner import CancelFitException, Callback, Learner, callback_list, check_fit_args
 from .optimizer import check_hyper, spread_hyper
 
 # %% auto #0
@@ -189,8 +189,9 @@ def _group_lrs(learn, lr):
     for v in values: check_hyper('lr', v)
     return values
 
-def _fit_scheduled(learn, n_epoch, scheds, wd, cbs, resume):
-    learn.fit(n_epoch, wd=wd, cbs=[ParamScheduler(scheds)] + list(cbs or []), resume=resume)
+def _fit_scheduled(learn, n_epoch, scheds, wd, cbs, resume, background):
+    return learn.fit(n_epoch, wd=wd, cbs=[ParamScheduler(scheds)] + callback_list(cbs), resume=resume,
+                     background=background)
 
 def fit_one_cycle(self,
                   n_epoch:int,  # number of epochs
@@ -202,9 +203,10 @@ def fit_one_cycle(self,
                   moms=None,  # momentum (start, middle, end); None: the learner's `moms`
                   cbs=None,  # extra callbacks for this fit
                   resume=None,  # checkpoint to continue from (see `Learner.fit`)
+                  background=False,  # run in a background thread and return its handle (see `Learner.fit`)
                  ):
     "Fit with the one-cycle policy: cosine warm-up of the learning rate to `lr_max`, cosine decay; momentum the other way."
-    _check_fit_args(n_epoch, None, wd)
+    check_fit_args(n_epoch, None, wd)
     _check_share('pct_start', pct_start)
     _check_divisor('div', div); _check_divisor('div_final', div_final)
     _check_moms(self.moms if moms is None else moms)
@@ -214,7 +216,7 @@ def fit_one_cycle(self,
         raise ValueError(f"moms given, but the optimizer has no 'mom' hyper-parameter (it has {sorted(self.opt.hypers[0])})")
     scheds = one_cycle_scheds(_group_lrs(self, lr_max), div, div_final, pct_start,
                               (self.moms if moms is None else moms) if has_mom else None)
-    _fit_scheduled(self, n_epoch, scheds, wd, cbs, resume)
+    return _fit_scheduled(self, n_epoch, scheds, wd, cbs, resume, background)
 
 # %% ../nbs/06_schedule.ipynb #c029
 def fit_flat_cos(self,
@@ -225,14 +227,15 @@ def fit_flat_cos(self,
                  wd=None,  # weight decay for this fit; None keeps the optimizer's
                  cbs=None,  # extra callbacks for this fit
                  resume=None,  # checkpoint to continue from (see `Learner.fit`)
+                 background=False,  # run in a background thread and return its handle (see `Learner.fit`)
                 ):
     "Fit with a flat learning rate for `pct_start` of training, then a cosine decay to `lr/div_final`."
-    _check_fit_args(n_epoch, None, wd)
+    check_fit_args(n_epoch, None, wd)
     _check_share('pct_start', pct_start); _check_divisor('div_final', div_final)
     if self.opt is None: self.create_opt()
     def lr_sched(top): return combined_cos(pct_start, top, top, top / div_final)
     lrs = _group_lrs(self, lr)
-    _fit_scheduled(self, n_epoch, {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs, resume)
+    return _fit_scheduled(self, n_epoch, {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs, resume, background)
 
 def sgdr_epochs(n_cycles, cycle_len, cycle_mult=2):
     "The length in epochs of each of the `n_cycles` cycles of SGDR."
@@ -249,14 +252,15 @@ def fit_sgdr(self,
              wd=None,  # weight decay for this fit; None keeps the optimizer's
              cbs=None,  # extra callbacks for this fit
              resume=None,  # checkpoint to continue from (see `Learner.fit`)
+             background=False,  # run in a background thread and return its handle (see `Learner.fit`)
             ):
     "Fit with warm restarts: `n_cycles` cosine decays from `lr_max` to 0, each `cycle_mult` times longer than the last."
     epochs = sgdr_epochs(n_cycles, cycle_len, cycle_mult)
-    _check_fit_args(sum(epochs), None, wd)
+    check_fit_args(sum(epochs), None, wd)
     if self.opt is None: self.create_opt()
     def lr_sched(top): return combine_scheds([e / sum(epochs) for e in epochs], [partial(annealing_cos, top, 0.)] * len(epochs))
     lrs = _group_lrs(self, lr_max)
-    _fit_scheduled(self, sum(epochs), {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs, resume)
+    return _fit_scheduled(self, sum(epochs), {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs, resume, background)
 
 Learner.fit_one_cycle, Learner.fit_flat_cos, Learner.fit_sgdr = fit_one_cycle, fit_flat_cos, fit_sgdr
 

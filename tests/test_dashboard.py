@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from teachloop import dashboard as dash
 from teachloop.callbacks import DeviceCallback, smooth_values
@@ -343,6 +344,7 @@ def test_an_error_in_the_fit_is_not_hidden_by_a_failing_final_tick(monkeypatch):
 EXIT_DURING_FIT = """
 import time, torch
 from torch import nn
+from torch.nn import functional as F
 from teachloop.dashboard import TrainingDashboard, fit_background
 from teachloop.data import digits_cnn, digits_dls
 from teachloop.learner import Learner
@@ -389,3 +391,15 @@ def test_background_fit_uses_the_callers_cuda_device_and_no_sync_between_ticks()
             learn.fit(1, cbs=[TrainingDashboard(refresh=0.), Probe()])
         finally: torch.cuda.set_sync_debug_mode('default')
     assert syncs[0] == 0 and syncs[1] > 0
+
+
+def test_fit_with_background_true_returns_a_handle_and_trains():
+    from teachloop.schedule import fit_one_cycle  # noqa: F401  adds Learner.fit_one_cycle
+    learn = Learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, lr=3e-3)
+    learn.progress.show_bar = learn.progress.print_rows = False
+    handle = learn.fit(1, background=True)
+    handle.wait()
+    assert handle.done and len(learn.recorder.values) == 1
+    handle = learn.fit_one_cycle(1, 1e-2, background=True)
+    handle.wait()
+    assert learn.recorder.hps['lr'][0] == pytest.approx(1e-2 / 25)

@@ -357,3 +357,10 @@ def test_error_in_a_plain_function_handler_keeps_its_type():
     cb.after_loss = explode
     with pytest.raises(RuntimeError, match='from a plain function') as info: tiny_learner([cb]).fit(1)
     assert any('explode.after_loss' in n for n in info.value.__notes__)
+
+
+def test_cbs_may_be_a_single_callback():
+    log = EventLog()
+    learn = tiny_learner()
+    learn.fit(1, cbs=log)
+    assert log.events[0] == 'before_fit' and log not in learn.cbs

@@ -13,6 +13,7 @@ from collections import defaultdict
 import torch
 
 from .learner import Callback
+from .optimizer import Optimizer
 
 # %% auto #0
 __all__ = ['default_device', 'to_device', 'DeviceCallback', 'accuracy', 'smooth_values', 'Recorder', 'plot_loss', 'plot_sched',
@@ -25,8 +26,10 @@ def default_device():
 
 def to_device(batch, device, non_blocking=True):
     "Move every tensor of a (possibly nested) tuple or list to `device`."
-    if isinstance(batch, (list, tuple)): return type(batch)(to_device(b, device, non_blocking) for b in batch)
-    return batch.to(device, non_blocking=non_blocking) if isinstance(batch, torch.Tensor) else batch
+    if isinstance(batch, torch.Tensor):
+        return batch if batch.device == device else batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, (list, tuple)): return type(batch)([to_device(b, device, non_blocking) for b in batch])
+    return batch
 
 class DeviceCallback(Callback):
     "Put the model on `device` (default: CUDA when available) and move each batch there."
@@ -38,8 +41,8 @@ class DeviceCallback(Callback):
         if self.device is None: self.device = default_device()
         self.model.to(self.device)
     def before_batch(self):
-        self.learn.xb = to_device(self.xb, self.device)
-        self.learn.yb = to_device(self.yb, self.device)
+        learn = self.learn
+        learn.xb, learn.yb = to_device(learn.xb, self.device), to_device(learn.yb, self.device)
 
 # %% ../nbs/03_callbacks.ipynb #c006
 def accuracy(pred, target):
@@ -70,6 +73,14 @@ def _hyper_values(opt):
     group = opt.hypers[-1] if hasattr(opt, 'hypers') else opt.param_groups[-1]
     return {k: v for k, v in group.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
+def _hyper_reader(opt):
+    "A function returning the last group's hyper-parameters by teachloop's names, as cheaply as the optimizer allows."
+    if isinstance(opt, Optimizer):  # its groups use teachloop's names already: read the dict itself
+        group = opt.param_groups[-1]
+        names = list(_hyper_values(opt))
+        return lambda: {k: group[k] for k in names}
+    return lambda: _hyper_values(opt)
+
 # %% ../nbs/03_callbacks.ipynb #c014
 class Recorder(Callback):
     "Record batch losses, hyper-parameters and per-epoch losses and metrics, reading values once per epoch."
@@ -89,19 +100,22 @@ class Recorder(Callback):
 
     def before_fit(self): self.reset()
     def before_epoch(self): self._epoch_start = time.perf_counter()
-    def before_train(self): self._epoch_losses, self._epoch_sizes = [], []
+    def before_train(self):
+        self._epoch_losses, self._epoch_sizes = [], []
+        self._read_hypers = _hyper_reader(self.opt)
     def before_validate(self): self._valid_losses, self._valid_sizes, self._valid_metrics = [], [], []
 
     def after_batch(self):
-        size = len(self.yb[0])
-        if self.training:
-            self._epoch_losses.append(self.loss)
+        learn = self.learn  # read directly: this runs every batch
+        size = len(learn.yb[0])
+        if learn.training:
+            self._epoch_losses.append(learn.loss)
             self._epoch_sizes.append(size)
-            for k, v in _hyper_values(self.opt).items(): self.hps[k].append(v)
+            for k, v in self._read_hypers().items(): self.hps[k].append(v)
         else:
-            self._valid_losses.append(self.loss)
+            self._valid_losses.append(learn.loss)
             self._valid_sizes.append(size)
-            self._valid_metrics.append([m(self.pred, self.y) for m in self.learn.metrics])
+            self._valid_metrics.append([m(learn.pred, learn.y) for m in learn.metrics])
 
     def after_train(self):
         if self._epoch_losses: self._loss_chunks.append(torch.stack(self._epoch_losses))

@@ -12,7 +12,7 @@ import signal
 import tempfile
 import threading
 import warnings
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -23,9 +23,9 @@ from .optimizer import Adam, check_hyper
 __all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'CancelBatchException', 'CancelBackwardException',
            'CancelStepException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
            'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'TrainEvalCallback', 'default_splitter',
-           'Learner', 'add_cbs', 'remove_cbs', 'added_cbs', 'keyboard_interrupt_deferred', 'callback_list',
-           'check_fit_args', 'create_opt', 'fit', 'save_checkpoint', 'GatherPreds', 'validate', 'get_preds', 'predict',
-           'atomic_save', 'check_state_matches', 'save', 'load', 'EventLog']
+           'Learner', 'add_cbs', 'remove_cbs', 'added_cbs', 'InterruptGate', 'callback_list', 'check_fit_args',
+           'create_opt', 'fit', 'save_checkpoint', 'GatherPreds', 'validate', 'get_preds', 'predict', 'atomic_save',
+           'check_state_matches', 'save', 'load', 'EventLog']
 
 # %% ../nbs/02_learner.ipynb #c004
 class CancelBatchException(Exception):
@@ -71,16 +71,21 @@ def snake_name(class_name):
     name = re.sub(r'([A-Z]+)([A-Z][a-z])', r'\1_\2', name)
     return re.sub(r'([a-z\d])([A-Z])', r'\1_\2', name).lower()
 
+_checked_classes = set()
+
 def check_event_names(cb):
     "Raise `ValueError` if `cb` has a method that looks like an event but is not one."
-    for attr in dir(cb):
-        if attr.startswith('_') or attr in EVENTS or not callable(getattr(type(cb), attr, None)): continue
+    cls = type(cb)
+    if cls in _checked_classes: return
+    for attr in dir(cls):
+        if attr.startswith('_') or attr in EVENTS or not callable(getattr(cls, attr, None)): continue
         close = difflib.get_close_matches(attr, EVENTS, n=1, cutoff=0.85)
         if close or attr.startswith(('before_', 'after_', 'cleanup_')):
             hint = f" Did you mean `{close[0]}`?" if close else ''
             raise ValueError(f"{type(cb).__name__}.{attr} looks like an event handler, but `{attr}` is not a Learner "
                              f"event, so it would never be called.{hint} Events are: {', '.join(EVENTS)}. "
                              "(Give other methods names that do not start with before_/after_/cleanup_.)")
+    _checked_classes.add(cls)
 
 # %% ../nbs/02_learner.ipynb #c008
 class Callback:
@@ -123,9 +128,10 @@ class TrainEvalCallback(Callback):
     def before_train(self): self.model.train()
     def before_validate(self): self.model.eval()
     def after_batch(self):
-        if not self.training: return
-        self.learn.train_iter += 1
-        self.learn.pct_train = self.train_iter / max(self.n_iter * self.n_epoch, 1)
+        learn = self.learn  # read directly: this runs every batch, and falling through to the learner costs a little
+        if not learn.training: return
+        learn.train_iter += 1
+        learn.pct_train = learn.train_iter / max(learn.n_iter * learn.n_epoch, 1)
 
 # %% ../nbs/02_learner.ipynb #c015
 def default_splitter(model):
@@ -163,7 +169,7 @@ class Learner:
         self.opt, self.dl, self.xb, self.yb, self.pred, self.loss, self.loss_grad = None, None, (), (), None, None, None
         self.n_epoch = self.n_iter = self.epoch = self.iter = self.train_iter = self.start_epoch = self.skip_batches = 0
         self.pct_train, self.training = 0., False
-        self.cbs, self._event_tables = [], ({}, {})
+        self.cbs, self._event_tables, self._interrupts = [], ({}, {}), InterruptGate()
         self._events = {}
         self.add_cbs(self._default_callbacks() if default_cbs else [TrainEvalCallback()])
         self.add_cbs(cbs or [])
@@ -280,20 +286,39 @@ def _with_events(self, body, name, cancel_exception):
 Learner.__call__, Learner._with_events = _fire, _with_events
 
 # %% ../nbs/02_learner.ipynb #c022
-@contextmanager
-def keyboard_interrupt_deferred():
-    "Hold a Ctrl-C back until the block has finished, then raise it (on the main thread; elsewhere a no-op)."
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append((signum, frame)))
-    try: yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if received and previous is not signal.SIG_IGN:
-            if callable(previous): previous(*received[0])
-            else: raise KeyboardInterrupt
+class InterruptGate:
+    "While held, a Ctrl-C is noted instead of raised, and delivered when the gate is released."
+    def __init__(self): self.holding, self.pending, self.previous = False, None, None
+
+    @contextmanager
+    def installed(self):
+        "Route SIGINT through the gate for the duration of the block (main thread only; elsewhere nothing to do)."
+        if threading.current_thread() is not threading.main_thread() or self.previous is not None:
+            yield self
+            return
+        self.previous = signal.signal(signal.SIGINT, self._on_interrupt)
+        try: yield self
+        finally:
+            signal.signal(signal.SIGINT, self.previous)
+            self.previous, self.holding, self.pending = None, False, None
+
+    def hold(self): self.holding = True
+
+    def release(self):
+        "Stop holding; deliver an interrupt that arrived meanwhile."
+        self.holding = False
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._deliver(*pending)
+
+    def _on_interrupt(self, signum, frame):
+        if self.holding: self.pending = (signum, frame)
+        else: self._deliver(signum, frame)
+
+    def _deliver(self, signum, frame):
+        if self.previous is signal.SIG_IGN: return
+        if callable(self.previous): self.previous(signum, frame)
+        else: raise KeyboardInterrupt
 
 # %% ../nbs/02_learner.ipynb #c023
 def _loss_with_broadcast_check(loss_func, pred, yb):
@@ -344,7 +369,7 @@ def _do_one_batch(self):
     self.opt.zero_grad()
 
 def _step(self):
-    self._batch_end.enter_context(keyboard_interrupt_deferred())
+    self._interrupts.hold()  # released at the batch's end, in `_all_batches`
     self.opt.step()
 
 def _split_batch(self, batch):
@@ -356,8 +381,8 @@ def _all_batches(self):
     for self.iter, batch in enumerate(self.dl):
         if self.training and self.iter < self.skip_batches: continue  # done before the checkpoint a fit resumes from
         self._split_batch(batch)
-        with ExitStack() as self._batch_end:  # closed at the batch's end: releases a Ctrl-C held back by `_step`
-            self._with_events(self._do_one_batch, 'batch', CancelBatchException)
+        try: self._with_events(self._do_one_batch, 'batch', CancelBatchException)
+        finally: self._interrupts.release()  # raises a Ctrl-C held back during the step, now that the batch is whole
 
 def _set_phase(self, training, dl):
     self.training, self.dl = training, dl
@@ -429,7 +454,8 @@ def fit(self,
         if lr is not None: self.opt.set_hyper('lr', lr)
         if wd is not None: self.opt.set_hyper('wd', wd)
         self.n_epoch, self.start_epoch, self.skip_batches = n_epoch, 0, 0
-        try: self._with_events(self._do_fit, 'fit', CancelFitException)
+        try:
+            with self._interrupts.installed(): self._with_events(self._do_fit, 'fit', CancelFitException)
         finally: self._cleanup()
 
 def _cleanup(self):

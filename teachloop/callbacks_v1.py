@@ -166,6 +166,7 @@ def before_fit(self):
     self.smoothener = SmoothenValue(self.beta)
     self.state.update(n_epochs=self.n_epoch, epoch=0, iteration=0, num_batch=0, last_metrics=None,
                       stop_epoch=False, stop_training=False, exception=None)
+    self._batch_has_loss = False
     self._call('on_train_begin')
 
 def before_epoch(self):
@@ -193,6 +194,7 @@ def after_pred(self):
 
 def after_loss(self):
     if not self._in_fit: return
+    self._batch_has_loss = True
     if not self.training:
         self.state['last_loss'] = self.loss
         return
@@ -208,7 +210,8 @@ for f in (after_pred, after_loss, after_backward, after_step): setattr(CallbackH
 
 # %% ../nbs/15_callbacks_v1.ipynb #c024
 def after_batch(self):
-    if not self._in_fit: return
+    if not self._in_fit or not self._batch_has_loss: return
+    self._batch_has_loss = False
     self.state['last_loss'] = self.state['last_loss'].detach()
     if not self.training:
         self._valid_losses.append(self.state['last_loss'])

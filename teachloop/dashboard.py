@@ -419,6 +419,7 @@ def before_fit(self):
     self.layer_names, self.effective_lr, self.ratio_series = [], None, {}
     self.epoch_ends, self._smoother = [], RunningSmoother()
     self._update_ratio, self._measure_next_step, self._ratio_pending = None, True, None
+    self._last_loss = self.learn.loss  # the last fit's: a batch still showing it was cancelled before its loss
     self.samples, self.batches_done, self.ticks = 0, 0, 0
     self._start, self._next_tick = time.perf_counter(), time.perf_counter() + self.refresh
     self._background = threading.current_thread() is not threading.main_thread()
@@ -453,6 +454,8 @@ def after_step(self):
 
 def after_batch(self):
     learn = self.learn  # read once: each `self.<learner attribute>` goes through a failed look-up first
+    if learn.loss is None or learn.loss is self._last_loss: return  # cancelled before its loss
+    self._last_loss = learn.loss
     size = len(learn.yb[0])
     if learn.training:
         self._losses.push(learn.loss)

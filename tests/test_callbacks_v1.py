@@ -256,3 +256,21 @@ def test_gradient_clipping_matches_clip_grad_norm_in_a_hand_written_loop():
     assert_same_weights(learn.model, hand_written_fit(2, clip=0.05))
     assert not torch.allclose(learn.model.weight, hand_written_fit(2).weight, atol=1e-4)
     with pytest.raises(ValueError, match='clip'): GradientClipping(-1.)
+
+
+def test_a_batch_cancelled_before_its_loss_has_no_on_batch_end():
+    from teachloop.learner import Callback, CancelBatchException
+    class SkipFirstBatches(Callback):  # a teachloop callback, running before the handler
+        order = 0
+        def before_batch(self):
+            if self.iter == 0: raise CancelBatchException()
+    counter, log = CountSteps(), Log()
+    learn = tiny_learner(tiny_data(n_valid_batches=2))
+    learn.fit(2, cbs=[SkipFirstBatches(), CallbackHandler([counter, log])])
+    ends = [s for e, s in log.calls if e == 'on_batch_end']
+    assert [(s['train'], s['num_batch'], s['iteration']) for s in ends] == [(True, 1, 0), (False, 1, 1), (True, 1, 1), (False, 1, 2)]
+    assert counter.steps_per_epoch == [1, 1] and counter.valid_batches == 2
+    x, y = tiny_data(n_valid_batches=2).valid[1]
+    with torch.no_grad(): expected = nn.functional.mse_loss(learn.model(x), y).item()
+    last_metrics = [s['last_metrics'] for e, s in log.calls if e == 'on_epoch_end'][-1]
+    assert math.isclose(last_metrics[0], expected, rel_tol=1e-6)  # the valid loss of the batch that ran, only

@@ -403,3 +403,25 @@ def test_fit_with_background_true_returns_a_handle_and_trains():
     handle = learn.fit_one_cycle(1, 1e-2, background=True)
     handle.wait()
     assert learn.recorder.hps['lr'][0] == pytest.approx(1e-2 / 25)
+
+
+def test_batches_cancelled_before_their_loss_are_skipped():
+    from teachloop.learner import CancelBatchException
+    class SkipEveryThird(Callback):  # cancels before the forward pass, so `learn.loss` is not renewed
+        order = 0
+        def before_batch(self):
+            if self.iter % 3 == 0: raise CancelBatchException()
+    train_losses, valid_losses = [], []
+    class Keep(Callback):
+        def after_loss(self): (train_losses if self.training else valid_losses).append((self.loss, len(self.yb[0])))
+    learn = digits_learner(default_cbs=False, cbs=[DeviceCallback('cpu')])
+    learn.fit(1)  # so that `learn.loss` holds the last fit's loss when the next fit's first batch is cancelled
+    valid_losses.clear()
+    dashboard = TrainingDashboard(refresh=1e9)
+    learn.fit(2, cbs=[SkipEveryThird(), Keep(), dashboard])
+    assert np.array_equal(dashboard.series['loss'].y, torch.stack([l for l, _ in train_losses]).numpy())
+    assert dashboard.samples == sum(size for _, size in train_losses)
+    per_epoch = len(valid_losses) // 2
+    expected = [sum(float(l) * n for l, n in part) / sum(n for _, n in part)
+                for part in (valid_losses[:per_epoch], valid_losses[per_epoch:])]
+    assert np.allclose(dashboard.series['valid'].y, expected, rtol=1e-6)

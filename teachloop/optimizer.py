@@ -45,6 +45,9 @@ def spread_hyper(value, n_groups):
         lo, hi = value.start, value.stop
         if hi is None: raise ValueError(f"a slice of hyper-parameters needs an end value, got {value}")
         if lo is None: return [hi / 10] * (n_groups - 1) + [hi]
+        if not lo > 0 or not hi > 0:
+            raise ValueError(f"a slice is spread geometrically, so both ends must be > 0, got {value}; "
+                             "pass a list with one value per group instead")
         if n_groups == 1: return [hi]
         return [lo * (hi / lo) ** (i / (n_groups - 1)) for i in range(n_groups)]
     if isinstance(value, (list, tuple)):
@@ -127,6 +130,8 @@ class Optimizer(torch.optim.Optimizer):
                  fast=None,  # multi-tensor step (notebook 08): `None` when one exists, `True` always, `False` never
                  **defaults,  # hyper-parameters shared by all groups (`lr`, `mom`, ...)
                 ):
+        if fast not in (None, True, False):
+            raise TypeError(f"fast must be None (fast step when there is one), True or False, got {fast!r}")
         self.cbs, self.fast, self._fast_plan = list(cbs), fast, None
         merged = {}
         for cb in self.cbs: merged.update(_callback_defaults(cb))

@@ -189,6 +189,16 @@ def _group_lrs(learn, lr):
     for v in values: check_hyper('lr', v)
     return values
 
+@contextmanager
+def _opt_created(learn):
+    "Give the learner its optimizer if it has none yet; if the block raises, a new one is taken away again."
+    created = learn.opt is None
+    if created: learn.create_opt()
+    try: yield learn.opt
+    except Exception:
+        if created: learn.opt = None
+        raise
+
 def _fit_scheduled(learn, n_epoch, scheds, wd, cbs, resume, background):
     return learn.fit(n_epoch, wd=wd, cbs=[ParamScheduler(scheds)] + callback_list(cbs), resume=resume,
                      background=background)
@@ -210,12 +220,12 @@ def fit_one_cycle(self,
     _check_share('pct_start', pct_start)
     _check_divisor('div', div); _check_divisor('div_final', div_final)
     _check_moms(self.moms if moms is None else moms)
-    if self.opt is None: self.create_opt()
-    has_mom = 'mom' in self.opt.hypers[0]
-    if moms is not None and not has_mom:
-        raise ValueError(f"moms given, but the optimizer has no 'mom' hyper-parameter (it has {sorted(self.opt.hypers[0])})")
-    scheds = one_cycle_scheds(_group_lrs(self, lr_max), div, div_final, pct_start,
-                              (self.moms if moms is None else moms) if has_mom else None)
+    with _opt_created(self) as opt:
+        has_mom = 'mom' in opt.hypers[0]
+        if moms is not None and not has_mom:
+            raise ValueError(f"moms given, but the optimizer has no 'mom' hyper-parameter (it has {sorted(opt.hypers[0])})")
+        scheds = one_cycle_scheds(_group_lrs(self, lr_max), div, div_final, pct_start,
+                                  (self.moms if moms is None else moms) if has_mom else None)
     return _fit_scheduled(self, n_epoch, scheds, wd, cbs, resume, background)
 
 # %% ../nbs/06_schedule.ipynb #c029
@@ -232,9 +242,8 @@ def fit_flat_cos(self,
     "Fit with a flat learning rate for `pct_start` of training, then a cosine decay to `lr/div_final`."
     check_fit_args(n_epoch, None, wd)
     _check_share('pct_start', pct_start); _check_divisor('div_final', div_final)
-    if self.opt is None: self.create_opt()
     def lr_sched(top): return combined_cos(pct_start, top, top, top / div_final)
-    lrs = _group_lrs(self, lr)
+    with _opt_created(self): lrs = _group_lrs(self, lr)
     return _fit_scheduled(self, n_epoch, {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs, resume, background)
 
 def sgdr_epochs(n_cycles, cycle_len, cycle_mult=2):
@@ -257,9 +266,8 @@ def fit_sgdr(self,
     "Fit with warm restarts: `n_cycles` cosine decays from `lr_max` to 0, each `cycle_mult` times longer than the last."
     epochs = sgdr_epochs(n_cycles, cycle_len, cycle_mult)
     check_fit_args(sum(epochs), None, wd)
-    if self.opt is None: self.create_opt()
     def lr_sched(top): return combine_scheds([e / sum(epochs) for e in epochs], [partial(annealing_cos, top, 0.)] * len(epochs))
-    lrs = _group_lrs(self, lr_max)
+    with _opt_created(self): lrs = _group_lrs(self, lr_max)
     return _fit_scheduled(self, sum(epochs), {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs, resume, background)
 
 Learner.fit_one_cycle, Learner.fit_flat_cos, Learner.fit_sgdr = fit_one_cycle, fit_flat_cos, fit_sgdr

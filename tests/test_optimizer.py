@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from teachloop.data import digits_cnn, digits_dls
-from teachloop.optimizer import SGD, RMSProp, Adam, Optimizer, sgd_step
+from teachloop.optimizer import SGD, RMSProp, Adam, Optimizer, sgd_step, spread_hyper
 
 N_STEPS = 100
 
@@ -102,3 +102,22 @@ def test_state_dict_can_be_loaded_again_and_again(make):
     fresh = make(model.parameters())
     fresh.load_state_dict(saved); fresh.load_state_dict(saved)
     assert fresh.state_dict()['state'].keys() == saved['state'].keys()
+
+
+@pytest.mark.parametrize('value', [slice(0, 1e-2), slice(-1e-3, 1e-2), slice(1e-3, 0.)])
+def test_slice_ends_must_be_positive(value):
+    "A geometric spread from or to 0 (or a negative value) is refused, by the optimizer too, before anything changes."
+    with pytest.raises(ValueError, match='both ends must be > 0'): spread_hyper(value, 3)
+    opt = SGD([[torch.nn.Parameter(torch.ones(2))], [torch.nn.Parameter(torch.ones(2))]], lr=0.1)
+    with pytest.raises(ValueError, match='both ends'): opt.set_hyper('lr', value)
+    assert [h['lr'] for h in opt.hypers] == [0.1, 0.1]
+
+
+def test_slice_spreads_geometrically_either_way():
+    assert spread_hyper(slice(1e-2, 1e-4), 3) == pytest.approx([1e-2, 1e-3, 1e-4])
+    assert spread_hyper(slice(1e-2), 3) == pytest.approx([1e-3, 1e-3, 1e-2])
+
+
+@pytest.mark.parametrize('fast', ['yes', 'auto', 2])
+def test_bad_fast_choice_raises(fast):
+    with pytest.raises(TypeError, match='fast must be'): Adam(torch.nn.Linear(2, 1).parameters(), lr=1e-3, fast=fast)

@@ -191,7 +191,16 @@ def test_fit_one_cycle_rejects_bad_input_before_touching_anything(kwargs, match)
     weights = copy.deepcopy(learn.model.state_dict())
     with pytest.raises(ValueError, match=match): learn.fit_one_cycle(1, **kwargs)
     assert all(torch.equal(v, learn.model.state_dict()[k]) for k, v in weights.items())
-    assert learn.recorder.losses == []
+    assert learn.recorder.losses == [] and learn.opt is None
+
+
+@pytest.mark.parametrize('fit', [lambda learn: learn.fit_flat_cos(1, lr=-1e-2),
+                                 lambda learn: learn.fit_sgdr(2, 1, lr_max=slice(-1e-3, 1e-2)),
+                                 lambda learn: learn.fit_one_cycle(1, lr_max=slice(0., 1e-2))])
+def test_flat_cos_and_sgdr_reject_bad_lrs_without_creating_an_optimizer(fit):
+    learn = tiny_learner(4, splitter=lambda m: [[m.weight], [m.bias]])
+    with pytest.raises(ValueError, match='lr|both ends'): fit(learn)
+    assert learn.opt is None and learn.recorder.losses == []
 
 
 def test_fit_one_cycle_rejects_bad_n_epoch_and_moms_without_momentum():

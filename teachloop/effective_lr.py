@@ -44,8 +44,8 @@ effective_lr_factors = {sgd_step: _constant_lr, momentum_step: _constant_lr, nes
 
 # %% ../nbs/10_effective_lr.ipynb #c006
 def _torch_adam_factor(p, state, group):
-    step = float(state['step'])
-    sqr_debiased = state['exp_avg_sq'] / (1 - group['betas'][1] ** step)
+    # `step` is a tensor, on the device for fused or capturable Adam: used as a tensor, it is never read back
+    sqr_debiased = state['exp_avg_sq'] / (1 - group['betas'][1] ** state['step'])
     return group['lr'] / (sqr_debiased.sqrt() + group['eps'])
 
 torch_effective_lr = {torch.optim.SGD: lambda p, state, group: torch.full_like(p, group['lr']),
@@ -95,10 +95,14 @@ def layer_name(param_name):
     "The module a parameter belongs to: its name without the last part."
     return param_name.rsplit('.', 1)[0] if '.' in param_name else param_name
 
-def _quantiles(values, quantiles, max_values=2 ** 20):
-    flat = values.flatten().float()
-    if flat.numel() > max_values: flat = flat[::math.ceil(flat.numel() / max_values)]
-    return torch.quantile(flat, torch.tensor(quantiles, device=flat.device))
+def _quantiles(values, quantiles):
+    "The `quantiles` of `values`, interpolated linearly between sorted values, computed where `values` are."
+    ordered = values.flatten().float().sort().values
+    last, result = len(ordered) - 1, []
+    for q in quantiles:
+        below = math.floor(q * last)
+        result.append(torch.lerp(ordered[below], ordered[min(below + 1, last)], q * last - below))
+    return torch.stack(result)
 
 def effective_lr_stats(opt,  # a teachloop optimizer, an `OptimWrapper`, or a torch SGD/Adam/AdamW/RMSprop
                        model=None,  # the model, to name the parameters and layers
@@ -107,6 +111,8 @@ def effective_lr_stats(opt,  # a teachloop optimizer, an `OptimWrapper`, or a to
                       ):
     "Quantiles of the effective learning rates per layer (or parameter): `{name: tensor(len(quantiles))}` on the device."
     if per not in ('layer', 'param'): raise ValueError(f"per must be 'layer' or 'param', got {per!r}")
+    if not all(isinstance(q, (int, float)) and 0 <= q <= 1 for q in quantiles):
+        raise ValueError(f"quantiles must be numbers in [0, 1] (0.5 is the median), got {quantiles!r}")
     groups = {}
     for name, lrs in effective_lrs(opt, model).items():
         groups.setdefault(layer_name(name) if per == 'layer' else name, []).append(lrs.flatten())

@@ -113,6 +113,16 @@ def test_quantiles_per_layer_and_param():
     assert torch.allclose(per_param['5.bias'], torch.quantile(lrs['5.bias'], torch.tensor([0.05, 0.5, 0.95])))
     with pytest.raises(ValueError, match='per'):
         effective_lr_stats(opt, model, per='group')
+    with pytest.raises(ValueError, match='quantiles'):
+        effective_lr_stats(opt, model, quantiles=(0.5, 95))
+
+
+@pytest.mark.parametrize('n', [1, 2, 7, 1000])
+def test_quantiles_match_torch_quantile(n):
+    from teachloop.effective_lr import _quantiles
+    values = torch.rand(n, generator=torch.Generator().manual_seed(n)).reshape(-1, 1)
+    quantiles = (0., 0.05, 0.33, 0.5, 0.95, 1.)
+    assert torch.allclose(_quantiles(values, quantiles), torch.quantile(values.flatten(), torch.tensor(quantiles)))
 
 
 def test_no_state_before_first_step_and_unknown_optimizers():

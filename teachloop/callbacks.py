@@ -93,13 +93,19 @@ class Recorder(Callback):
         "Forget the history."
         self._loss_chunks, self._epoch_losses, self._epoch_sizes = [], [], []
         self.hps, self.values, self.last_valid = defaultdict(list), [], []
+        self._start_epoch_row()
+        self._valid_losses, self._valid_sizes, self._valid_metrics = [], [], []
+
+    def _start_epoch_row(self):
+        # A phase cancelled before the Recorder heard its `before_*` event leaves nan in the row, never the last epoch's value.
+        self._epoch_start, self._train_loss, self._valid_row = time.perf_counter(), None, None
 
     @property
     def metric_names(self):
         return ['epoch', 'train_loss', 'valid_loss'] + [_metric_name(m) for m in self.learn.metrics] + ['time']
 
     def before_fit(self): self.reset()
-    def before_epoch(self): self._epoch_start = time.perf_counter()
+    def before_epoch(self): self._start_epoch_row()
     def before_train(self):
         self._epoch_losses, self._epoch_sizes = [], []
         self._read_hypers = _hyper_reader(self.opt)
@@ -126,12 +132,14 @@ class Recorder(Callback):
         per_metric = list(zip(*self._valid_metrics)) or [[] for _ in self.learn.metrics]
         values = [_weighted_mean(self._valid_losses, self._valid_sizes)]
         values += [_weighted_mean(list(m), self._valid_sizes) for m in per_metric]
-        self.last_valid = torch.stack([v.to(values[0].device) for v in values]).tolist()
+        self.last_valid = self._valid_row = torch.stack([v.to(values[0].device) for v in values]).tolist()
+        self._valid_losses, self._valid_sizes, self._valid_metrics = [], [], []
 
     def after_epoch(self):
-        train_loss = self._train_loss.item() if hasattr(self, '_train_loss') else float('nan')
-        valid = self.last_valid if self.dls.valid is not None else [float('nan')] * (1 + len(self.learn.metrics))
+        train_loss = self._train_loss.item() if self._train_loss is not None else float('nan')
+        valid = self._valid_row or [float('nan')] * (1 + len(self.learn.metrics))
         self.values.append([self.epoch, train_loss, *valid, time.perf_counter() - self._epoch_start])
+        self._start_epoch_row()
 
     @property
     def losses(self):

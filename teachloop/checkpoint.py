@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from .learner import Callback, CancelFitException, Learner, atomic_save, check_state_matches
-from .nan_capture import check_count, restore_training_state, rng_states, saveable_rng, set_rng_states
+from .nan_capture import (check_count, optimizer_with_state, restore_training_state, rng_states, saveable_rng,
+                                   set_rng_states)
 
 # %% auto #0
 __all__ = ['FORMAT', 'loader_generators', 'recorder_state', 'load_recorder_state', 'load_epoch_in_progress', 'checkpoint_state',
@@ -104,9 +105,17 @@ def read_checkpoint(path):
         raise ValueError(f"{path!r} is not a teachloop checkpoint (written by `learn.save_checkpoint`)")
     return state
 
-def check_checkpoint_fits(learn, state, n_epoch):
-    "Raise `ValueError` if `fit(n_epoch, resume=...)` cannot continue from `state` on `learn`."
+def _check_callbacks_present(state, cbs):
+    "Raise `ValueError` if `state` holds the state of a callback that is not among `cbs`."
+    missing = sorted(set(state['callbacks']) - {cb.name for cb in cbs})
+    if missing: raise ValueError(f"the checkpoint holds the state of callbacks {missing}, which this fit lacks; "
+                                 "resume with the same callbacks as the interrupted fit")
+
+def check_checkpoint_fits(learn, state, n_epoch, cbs=()):
+    "Raise `ValueError` if `fit(n_epoch, cbs=cbs, resume=...)` cannot continue from `state` on `learn`."
     check_state_matches(learn.model, state['model'])
+    optimizer_with_state(learn, state['opt'])  # a trial load: an optimizer of another kind fails here, not mid-fit
+    _check_callbacks_present(state, learn.cbs + list(cbs))
     progress = state['progress']
     if not progress['resumable']:
         raise ValueError(f"this checkpoint was written in the middle of epoch {progress['epoch']} (after "
@@ -131,9 +140,7 @@ def check_checkpoint_fits(learn, state, n_epoch):
 def restore_checkpoint(learn, state):
     "Put the weights, optimizer, callback states, history, generators and progress of `state` into `learn`."
     names = {cb.name for cb in learn.cbs}
-    missing = sorted(set(state['callbacks']) - names)
-    if missing: raise ValueError(f"the checkpoint holds the state of callbacks {missing}, which this fit lacks; "
-                                 "resume with the same callbacks as the interrupted fit")
+    _check_callbacks_present(state, learn.cbs)
     restore_training_state(learn, state['model'], state['opt'])
     for cb in learn.cbs:
         if cb.name in state['callbacks']: cb.load_state_dict(state['callbacks'][cb.name])
@@ -156,9 +163,14 @@ def load_checkpoint(learn, path):
 class Resume(Callback):
     "Restore the checkpoint at `path` once every other callback has run `before_fit`; the fit then goes on from there."
     order = math.inf
-    def __init__(self, learn, path, n_epoch):
+    def __init__(self,
+                 learn,  # the learner whose fit resumes
+                 path,  # the checkpoint file
+                 n_epoch,  # the fit's number of epochs
+                 cbs=(),  # the callbacks added for this fit
+                ):
         self.state = read_checkpoint(path)
-        check_checkpoint_fits(learn, self.state, n_epoch)
+        check_checkpoint_fits(learn, self.state, n_epoch, cbs)
 
     def before_fit(self):
         restore_checkpoint(self.learn, self.state)

@@ -335,6 +335,7 @@ def _compute_loss(self):
     try:
         if self.iter == 0: loss = _loss_with_broadcast_check(self.loss_func, pred, self.yb)
         else: loss = self.loss_func(pred, *self.yb)
+    except torch.OutOfMemoryError: raise  # not a problem of the shapes
     except (RuntimeError, ValueError, IndexError, UserWarning) as e:
         raise ValueError(f"loss_func {getattr(self.loss_func, '__name__', self.loss_func)!r} failed on the model's "
                          f"output of shape {_describe_shape(pred)} and the target of shape {_describe_shape(target)} "
@@ -448,7 +449,7 @@ def fit(self,
     cbs = callback_list(cbs)
     check_fit_args(n_epoch, lr, wd)
     _check_loaders(self.dls)
-    if resume is not None: cbs = cbs + [_resume_callback(self, resume, n_epoch)]
+    if resume is not None: cbs = cbs + [_resume_callback(self, resume, n_epoch, cbs)]
     with self.added_cbs(cbs):
         if self.opt is None or reset_opt: self.create_opt()
         if lr is not None: self.opt.set_hyper('lr', lr)
@@ -464,9 +465,9 @@ def _cleanup(self):
     if self.opt is not None: self.opt.zero_grad()
     self('cleanup_fit')
 
-def _resume_callback(learn, path, n_epoch):
+def _resume_callback(learn, path, n_epoch, cbs):
     from teachloop.checkpoint import Resume  # checkpoint builds on this module, so it is imported when needed
-    return Resume(learn, path, n_epoch)
+    return Resume(learn, path, n_epoch, cbs)
 
 def save_checkpoint(self, path):
     "Save everything `fit(..., resume=path)` needs to continue exactly (see `teachloop.checkpoint`)."

@@ -19,8 +19,8 @@ from .learner import Callback, CancelFitException, atomic_save, check_state_matc
 
 # %% auto #0
 __all__ = ['rng_states', 'saveable_rng', 'set_rng_states', 'grads_are_finite', 'nonfinite_grads', 'check_count', 'NaNCapture',
-           'NaNReport', 'load_capture', 'restore_training_state', 'watch_forward', 'graph_nodes', 'watch_backward',
-           'replay_nan']
+           'NaNReport', 'load_capture', 'optimizer_with_state', 'restore_training_state', 'watch_forward',
+           'graph_nodes', 'watch_backward', 'replay_nan']
 
 # %% ../nbs/12_nan_capture.ipynb #c004
 _has_cuda = torch.cuda.is_available()
@@ -139,13 +139,20 @@ def load_capture(path):
         raise ValueError(f"{os.fspath(path)!r} was not written by NaNCapture")
     return capture
 
+def optimizer_with_state(learn, opt_state):
+    "A new optimizer from `learn`'s `opt_func` holding `opt_state` (an error if it does not fit); `learn.opt` stays as it was."
+    previous = learn.opt
+    try:
+        learn.create_opt()
+        opt = learn.opt
+    finally: learn.opt = previous
+    opt.load_state_dict(opt_state)
+    return opt
+
 def restore_training_state(learn, model_state, opt_state):
     "Load weights and, into a new optimizer, `opt_state`; both are checked first, so a mismatch changes nothing."
     check_state_matches(learn.model, model_state)
-    previous = learn.opt
-    learn.create_opt()
-    opt, learn.opt = learn.opt, previous
-    opt.load_state_dict(opt_state)
+    opt = optimizer_with_state(learn, opt_state)
     learn.model.load_state_dict(model_state)
     learn.opt = opt
 

@@ -158,6 +158,23 @@ def test_refusals_change_nothing(tmp_path):
     assert_unchanged(learn, before)
 
 
+def test_refusals_found_only_by_loading_change_nothing(tmp_path):
+    "Another optimizer, a missing stateful callback: refused before any callback's before_fit resets the history."
+    source = make_learner(opt_func=SGD, lr=0.05)
+    source.fit(2, cbs=[EarlyStopping('valid_loss', 'min', patience=3), Checkpoint(tmp_path), StopAfterEpoch(0)])
+    learn = make_learner(opt_func=Adam)
+    learn.fit(1)
+    before = snapshot(learn)
+    with pytest.raises(ValueError, match='optimizer'):
+        learn.fit(2, cbs=[EarlyStopping('valid_loss', 'min', patience=3)], resume=tmp_path / 'latest.pt')
+    assert_unchanged(learn, before)
+    learn = make_learner(opt_func=SGD, lr=0.05)
+    learn.fit(1)
+    before = snapshot(learn)
+    with pytest.raises(ValueError, match='early_stopping'): learn.fit(2, resume=tmp_path / 'latest.pt')
+    assert_unchanged(learn, before)
+
+
 def test_a_checkpoint_from_the_middle_of_an_epoch_is_refused_for_resume(tmp_path):
     class Interrupt(Callback):
         def after_batch(self):

@@ -364,3 +364,21 @@ def test_cbs_may_be_a_single_callback():
     learn = tiny_learner()
     learn.fit(1, cbs=log)
     assert log.events[0] == 'before_fit' and log not in learn.cbs
+
+
+@pytest.mark.parametrize('event, exc', [('before_epoch', CancelEpochException), ('before_train', CancelTrainException),
+                                        ('before_validate', CancelValidException)])
+def test_recorder_rows_of_a_phase_cancelled_before_the_recorder_heard_it(event, exc):
+    "A callback ordered before the Recorder cancels a phase in epoch 1: the row says nan, never the previous epoch's value."
+    class CancelInSecondEpoch(Callback):
+        def __init__(self): setattr(self, event, self.cancel)
+        def cancel(self):
+            if self.epoch == 1: raise exc()
+    learn = Learner(tiny_dls(), nn.Linear(2, 1), F.mse_loss, opt_func=SGD, lr=0.1, cbs=[CancelInSecondEpoch()])
+    learn.progress.show_bar = learn.progress.print_rows = False
+    learn.fit(3)
+    rows = learn.recorder.values
+    assert [r[0] for r in rows] == [0, 1, 2] and all(r[1] == r[1] and r[2] == r[2] for r in (rows[0], rows[2]))
+    skipped_train, skipped_valid = event != 'before_validate', event != 'before_train'
+    assert (rows[1][1] != rows[1][1]) == skipped_train and (rows[1][2] != rows[1][2]) == skipped_valid
+    assert len(learn.recorder.losses) == 2 * (2 if skipped_train else 3)

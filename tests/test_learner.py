@@ -382,3 +382,31 @@ def test_recorder_rows_of_a_phase_cancelled_before_the_recorder_heard_it(event, 
     skipped_train, skipped_valid = event != 'before_validate', event != 'before_train'
     assert (rows[1][1] != rows[1][1]) == skipped_train and (rows[1][2] != rows[1][2]) == skipped_valid
     assert len(learn.recorder.losses) == 2 * (2 if skipped_train else 3)
+
+
+def test_mixed_precision_float16_skips_a_step_with_inf_gradients_and_lowers_the_scale():
+    "The GradScaler path, on the CPU: forward in float16, an inf gradient at step 2 skips exactly that step."
+    from teachloop.callbacks import MixedPrecision
+    class InfGradientAt(Callback):
+        order = 5  # before MixedPrecision (10) unscales and checks
+        def after_backward(self):
+            if self.train_iter == 2: next(self.model.parameters()).grad.view(-1)[0] = float('inf')
+    class Watch(Callback):
+        order = 90
+        def before_fit(self): self.weights, self.dtypes = [], set()
+        def after_pred(self): self.dtypes.add(self.pred.dtype)
+        def after_batch(self):
+            if self.training: self.weights.append(next(self.model.parameters()).detach().clone())
+    torch.manual_seed(0)
+    learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, opt_func=SGD, lr=0.05,
+                    cbs=[MixedPrecision(torch.float16), InfGradientAt(), Watch()])
+    learn.progress.show_bar = learn.progress.print_rows = False
+    learn.fit(1)
+    w = learn.watch.weights
+    assert learn.watch.dtypes == {torch.float16} and all(p.dtype == torch.float32 for p in learn.model.parameters())
+    assert [torch.equal(w[i], w[i + 1]) for i in range(4)] == [False, True, False, False]
+    assert learn.mixed_precision.scaler.get_scale() == 2. ** 15  # halved once from its initial 2 ** 16
+    assert all(torch.isfinite(p).all() for p in learn.model.parameters())
+    default = Learner(tiny_dls(), nn.Linear(2, 1), F.mse_loss, cbs=[MixedPrecision()], default_cbs=False)
+    default.fit(1)
+    assert default.mixed_precision.dtype == torch.bfloat16 and default.mixed_precision.scaler is None

@@ -223,6 +223,9 @@ class ProgressCallback(Callback):
 # %% ../nbs/03_callbacks.ipynb #c026
 from .learner import CancelStepException
 
+def _has_grads(opt):
+    return any(p.grad is not None for group in opt.param_groups for p in group['params'])
+
 class MixedPrecision(Callback):
     "Forward pass and loss under `torch.autocast` (`dtype` default: float16 on CUDA, bfloat16 on CPU), with loss scaling for float16."
     order = 10
@@ -235,6 +238,7 @@ class MixedPrecision(Callback):
         self._autocast = None
 
     def before_batch(self):
+        self._unscaled = False
         self._autocast = torch.autocast(self.device_type, dtype=self.dtype)
         self._autocast.__enter__()
 
@@ -243,17 +247,21 @@ class MixedPrecision(Callback):
         if self.training and self.scaler is not None: self.learn.loss_grad = self.scaler.scale(self.loss_grad)
 
     def after_backward(self):
-        if self.scaler is not None: self.scaler.unscale_(self.opt)
+        # A cancelled backward leaves no gradients: then there is nothing to unscale, check or update.
+        if self.scaler is None or not _has_grads(self.opt): return
+        self.scaler.unscale_(self.opt)
+        self._unscaled = True
 
     def before_step(self):
-        if self.scaler is None: return
+        if not self._unscaled: return
         found_inf = sum(v.item() for v in self.scaler._found_inf_per_device(self.opt).values())
         if found_inf: raise CancelStepException()
 
-    def after_step(self):
-        if self.scaler is not None: self.scaler.update()
-
-    def after_batch(self): self._leave_autocast()
+    def after_batch(self):
+        self._leave_autocast()
+        # Update the scale once per unscaled batch, here, so that a batch cancelled after its backward updates it too.
+        if self._unscaled: self.scaler.update()
+        self._unscaled = False
     def cleanup_fit(self): self._leave_autocast()
 
     def _leave_autocast(self):

@@ -410,3 +410,19 @@ def test_mixed_precision_float16_skips_a_step_with_inf_gradients_and_lowers_the_
     default = Learner(tiny_dls(), nn.Linear(2, 1), F.mse_loss, cbs=[MixedPrecision()], default_cbs=False)
     default.fit(1)
     assert default.mixed_precision.dtype == torch.bfloat16 and default.mixed_precision.scaler is None
+
+
+@pytest.mark.parametrize('event, exc', [('before_backward', CancelBackwardException), ('after_backward', CancelBatchException)])
+def test_mixed_precision_float16_survives_a_cancelled_backward_or_batch(event, exc):
+    "A batch cancelled around its backward leaves the scaler consistent: the fit goes on and the next steps train."
+    from teachloop.callbacks import MixedPrecision
+    torch.manual_seed(0)
+    cancel = Raise(event, exc, iter=1)
+    cancel.order = 20  # after MixedPrecision (10) has unscaled, for the after_backward case
+    learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, opt_func=SGD, lr=0.05,
+                    cbs=[MixedPrecision(torch.float16), cancel], default_cbs=False)
+    before = [p.detach().clone() for p in learn.model.parameters()]
+    learn.fit(1)
+    after = list(learn.model.parameters())
+    assert not any(torch.equal(a, b) for a, b in zip(before, after)) and all(torch.isfinite(p).all() for p in after)
+    assert learn.mixed_precision.scaler.get_scale() == 2. ** 16  # no inf seen: the scale never dropped

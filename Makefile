@@ -32,7 +32,7 @@ test-quick: $(STAMP)
 
 ## JupyterLab on the course notebooks.
 lab: $(STAMP)
-	$(BIN)/jupyter lab nbs/
+	$(BIN)/jupyter lab nbs/ $$([ "$$(id -u)" = 0 ] && echo --allow-root)
 
 export: $(STAMP)
 	$(BIN)/nbdev-export

@@ -113,6 +113,7 @@ class Recorder(Callback):
 
     def after_batch(self):
         learn = self.learn  # read directly: this runs every batch
+        if learn.loss is None: return  # cancelled before its loss: nothing to record
         size = len(learn.yb[0])
         if learn.training:
             self._epoch_losses.append(learn.loss)

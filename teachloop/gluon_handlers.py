@@ -144,6 +144,7 @@ def before_batch(self): self._call('batch_begin', batch=(*self.xb, *self.yb))
 def after_backward(self): self._call('backward_end')
 
 def after_batch(self):
+    if self.loss is None: return  # a batch cancelled before its loss gets no batch_end
     if self._call('batch_end', batch=(*self.xb, *self.yb), pred=self.pred, label=self.y, loss=self.loss):
         self.stop_training = True
         raise CancelTrainException()

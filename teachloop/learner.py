@@ -381,6 +381,7 @@ def _split_batch(self, batch):
 def _all_batches(self):
     for self.iter, batch in enumerate(self.dl):
         if self.training and self.iter < self.skip_batches: continue  # done before the checkpoint a fit resumes from
+        self.pred = self.loss = self.loss_grad = None  # a batch cancelled before its loss leaves no stale values
         self._split_batch(batch)
         try: self._with_events(self._do_one_batch, 'batch', CancelBatchException)
         finally: self._interrupts.release()  # raises a Ctrl-C held back during the step, now that the batch is whole

@@ -288,6 +288,7 @@ class LRFinder(Callback):
     def before_batch(self): self.opt.set_hyper('lr', self.schedule(schedule_pct(self.train_iter, self.num_it)))
 
     def after_batch(self):
+        if self.loss is None: return  # cancelled before its loss
         loss = self.loss.item()
         self._average = self.beta * self._average + (1 - self.beta) * loss
         smooth = self._average / (1 - self.beta ** (len(self.losses) + 1))

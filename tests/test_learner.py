@@ -426,3 +426,18 @@ def test_mixed_precision_float16_survives_a_cancelled_backward_or_batch(event, e
     after = list(learn.model.parameters())
     assert not any(torch.equal(a, b) for a, b in zip(before, after)) and all(torch.isfinite(p).all() for p in after)
     assert learn.mixed_precision.scaler.get_scale() == 2. ** 16  # no inf seen: the scale never dropped
+
+
+@pytest.mark.parametrize('event', ['before_batch', 'after_pred'])
+def test_batch_cancelled_before_its_loss_is_not_recorded(event):
+    "The Recorder records exactly the batches that produced a loss, never a stale one."
+    class TrainLosses(Callback):
+        order = 40
+        def before_fit(self): self.seen = []
+        def after_loss(self):
+            if self.training: self.seen.append(self.loss.item())
+    learn = Learner(tiny_dls(), nn.Linear(2, 1), F.mse_loss, opt_func=SGD, lr=0.1, default_cbs=False,
+                    cbs=[Recorder(), TrainLosses(), Raise(event, CancelBatchException, iter=1, epoch=0)])
+    learn.fit(2)
+    assert learn.recorder.losses == learn.train_losses.seen and len(learn.recorder.losses) == 3
+    assert learn.recorder.values[0][1] == pytest.approx(learn.train_losses.seen[0])  # epoch 0: only its first batch

@@ -164,7 +164,8 @@ def plot_loss(self, skip_start=0, ax=None):
     losses = self.losses
     steps = range(skip_start, len(losses))
     ax.plot(steps, losses[skip_start:], alpha=0.3, label='train (batch)')
-    ax.plot(steps, self.smooth_losses[skip_start:], label='train (smoothed)')
+    window = round(1 / (1 - self.beta))
+    ax.plot(steps, self.smooth_losses[skip_start:], label=f'train (smoothed over ~{window} batches, so it lags)')
     if self.values and len(losses):
         per_epoch = len(losses) / len(self.values)
         ax.plot([per_epoch * (i + 1) for i in range(len(self.values))], [row[2] for row in self.values], 'o-', label='valid')

@@ -169,7 +169,7 @@ def plot_loss(self, skip_start=0, ax=None):
     if self.values and len(losses):
         per_epoch = len(losses) / len(self.values)
         ax.plot([per_epoch * (i + 1) for i in range(len(self.values))], [row[2] for row in self.values], 'o-', label='valid')
-    ax.set(xlabel='training batch', ylabel='loss'); ax.legend()
+    ax.set(xlabel='training batch', ylabel='loss'); ax.legend(loc='upper right')
     return ax
 
 def plot_sched(self, keys=('lr', 'mom'), axs=None):

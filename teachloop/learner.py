@@ -210,11 +210,14 @@ class Learner:
         return f"Learner(model={type(self.model).__name__}, cbs=[{', '.join(type(c).__name__ for c in self.cbs)}])"
 
 # %% ../nbs/02_learner.ipynb #c018
-def _check_new_callback(existing, cb):
+def _check_new_callback(learn, existing, cb):
     if isinstance(cb, type):
         raise TypeError(f"got the class {cb.__name__}, not an instance: pass `{cb.__name__}()`")
     if not isinstance(cb, Callback): raise TypeError(f"callbacks must be Callback instances, got {type(cb).__name__}")
     if any(c is cb for c in existing): raise ValueError(f"{cb!r} is already added to this learner")
+    if hasattr(type(learn), cb.name) or cb.name in learn.__dict__:
+        raise ValueError(f"a callback named {cb.name!r} could not be reached as `learn.{cb.name}`, which is the "
+                         f"learner's own; give it another name with `cb.name = '...'`")
     if any(c.name == cb.name for c in existing):
         raise ValueError(f"a callback named {cb.name!r} is already added (learn.{cb.name}); remove it first, "
                          "or give the new one another name with `cb.name = '...'`")
@@ -231,7 +234,7 @@ def _handlers(cbs, event, phase_flag):
 def add_cbs(self, cbs):
     "Add callbacks (checked, sorted by `order`, ties in the order added); return them."
     cbs = list(cbs)
-    for i, cb in enumerate(cbs): _check_new_callback(self.cbs + cbs[:i], cb)
+    for i, cb in enumerate(cbs): _check_new_callback(self, self.cbs + cbs[:i], cb)
     for cb in cbs:
         object.__setattr__(cb, 'learn', self)
         self.cbs.append(cb)

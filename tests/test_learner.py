@@ -441,3 +441,13 @@ def test_batch_cancelled_before_its_loss_is_not_recorded(event):
     learn.fit(2)
     assert learn.recorder.losses == learn.train_losses.seen and len(learn.recorder.losses) == 3
     assert learn.recorder.values[0][1] == pytest.approx(learn.train_losses.seen[0])  # epoch 0: only its first batch
+
+
+def test_a_callback_named_like_a_learner_attribute_is_refused():
+    class Model(Callback): pass
+    learn = tiny_learner()
+    with pytest.raises(ValueError, match="learn.model"): learn.add_cbs([Model()])
+    renamed = Model()
+    renamed.name = 'model_watcher'
+    learn.add_cbs([renamed])
+    assert learn.model_watcher is renamed and isinstance(learn.model, nn.Module)

@@ -197,7 +197,7 @@ def replace_with_link(source, target):
     os.replace(tmp, target)
 
 class Checkpoint(Callback):
-    "Write a checkpoint every `every_n_epochs` epochs into `folder`, with `latest.pt` the newest; keep the last `keep`."
+    "Write a checkpoint every `every_n_epochs` epochs into `folder`, with `latest.pt` the newest; keep the last `keep` it wrote."
     order = 70
     def __init__(self,
                  folder,  # where `epoch-NNN.pt` and `latest.pt` go
@@ -207,7 +207,7 @@ class Checkpoint(Callback):
         check_count('every_n_epochs', every_n_epochs)
         if keep is not None: check_count('keep', keep)
         self.folder, self.every_n_epochs, self.keep = Path(folder), every_n_epochs, keep
-        self.epoch_start, self._in_step, self._ended = None, False, False
+        self.epoch_start, self._in_step, self._ended, self._written = None, False, False, []
 
     @property
     def latest(self): return self.folder / 'latest.pt'
@@ -229,8 +229,11 @@ class Checkpoint(Callback):
         if done % self.every_n_epochs: return
         path = save_checkpoint(self.learn, self.folder / f'epoch-{done:03d}.pt')
         replace_with_link(path, self.latest)
+        # Only files this callback wrote are ever removed: other files in the folder (an earlier fit's) stay.
+        self._written = [p for p in self._written if p != path] + [path]
         if self.keep is not None:
-            for old in sorted(self.folder.glob('epoch-*.pt'))[:-self.keep]: old.unlink()
+            for old in self._written[:-self.keep]: old.unlink(missing_ok=True)
+            self._written = self._written[-self.keep:]
 
 # %% ../nbs/13_checkpoint.ipynb #c028
 def check_mode(mode):

@@ -110,6 +110,14 @@ def test_checkpoint_files_keep_and_latest(tmp_path):
     with pytest.raises(ValueError, match='keep'): Checkpoint(tmp_path, keep=0)
 
 
+def test_keep_removes_only_files_this_callback_wrote(tmp_path):
+    earlier = tmp_path / 'epoch-009.pt'  # an earlier, longer fit's file in the same folder
+    earlier.write_bytes(b'an earlier fit')
+    make_learner().fit(3, cbs=[Checkpoint(tmp_path, keep=1)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['epoch-003.pt', 'epoch-009.pt', 'latest.pt']
+    assert earlier.read_bytes() == b'an earlier fit'
+
+
 def test_a_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     learn = make_learner()
     learn.fit(1)

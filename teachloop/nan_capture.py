@@ -6,6 +6,7 @@ step later to find which operation produced the first non-finite value."""
 # %% ../nbs/12_nan_capture.ipynb #c002
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import warnings
@@ -18,41 +19,104 @@ from .callbacks import to_device
 from .learner import Callback, CancelFitException, atomic_save, check_state_matches
 
 # %% auto #0
-__all__ = ['rng_states', 'saveable_rng', 'set_rng_states', 'grads_are_finite', 'nonfinite_grads', 'check_count', 'NaNCapture',
-           'NaNReport', 'load_capture', 'optimizer_with_state', 'restore_training_state', 'watch_forward',
-           'graph_nodes', 'watch_backward', 'replay_nan']
+__all__ = ['NumpyRandomState', 'rng_readers', 'rng_states', 'same_state', 'saveable_rng', 'set_rng_states', 'FiniteCheck',
+           'grads_are_finite', 'nonfinite_grads', 'check_count', 'KeptStep', 'NaNCapture', 'NaNReport', 'load_capture',
+           'optimizer_with_state', 'restore_training_state', 'watch_forward', 'graph_nodes', 'watch_backward',
+           'replay_nan']
 
 # %% ../nbs/12_nan_capture.ipynb #c004
 _has_cuda = torch.cuda.is_available()
 
+class NumpyRandomState:
+    "Reads numpy's global random state; the slow full read happens only when the generator's raw state changed."
+    def __init__(self): self.bit_generator, self.raw, self.last = None, None, None
+
+    def _attach(self, bit_generator):
+        "Use `bit_generator`'s raw state bytes only if they match what numpy's getter reports, byte for byte."
+        self.bit_generator, self.raw, self.last = bit_generator, None, None
+        self.legacy = type(bit_generator).__name__ == 'MT19937'  # numpy's tuple form exists for MT19937 only
+        if not self.legacy: return
+        raw = (ctypes.c_char * (624 * 4 + 4)).from_address(bit_generator.ctypes.state_address)
+        _, keys, pos, _, _ = np.random.get_state()
+        if raw.raw == keys.astype(np.uint32).tobytes() + np.int32(pos).tobytes(): self.raw = raw
+
+    def read(self):
+        bit_generator = np.random.get_bit_generator()
+        if bit_generator is not self.bit_generator: self._attach(bit_generator)
+        if self.raw is None: return np.random.get_state(legacy=self.legacy)
+        raw, last = self.raw.raw, self.last
+        if last is None or last[0] != raw or last[1][3]:  # changed, or holding a cached normal value
+            last = self.last = (raw, np.random.get_state())
+        return last[1]
+
+_numpy_state = NumpyRandomState()
+
+def rng_readers(host=True):
+    "A function reading each generator a step may use: torch, CUDA (when present), and with `host` numpy and `random`."
+    readers = {'torch': torch.get_rng_state}
+    if _has_cuda: readers['cuda'] = torch.cuda.get_rng_state_all
+    if host: readers.update(numpy=_numpy_state.read, random=random.getstate)
+    return readers
+
 def rng_states(host=True):
     "The states of the random generators a step may use: torch, CUDA (when present), and with `host` numpy and `random`."
-    states = {'torch': torch.get_rng_state()}
-    if _has_cuda: states['cuda'] = torch.cuda.get_rng_state_all()
-    if host: states.update(numpy=np.random.get_state(), random=random.getstate())
-    return states
+    return {name: read() for name, read in rng_readers(host).items()}
+
+def _plain(value):
+    "numpy arrays and scalars in `value` as tensors (their bits, with the dtype) and Python numbers."
+    if isinstance(value, np.ndarray):
+        return {'ndarray': value.dtype.str, 'bits': torch.from_numpy(value.view(f'i{value.itemsize}').copy())}
+    if isinstance(value, np.generic): return value.item()
+    if isinstance(value, dict): return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple): return tuple(_plain(v) for v in value)
+    return value
+
+def _from_plain(value):
+    if isinstance(value, dict):
+        if set(value) == {'ndarray', 'bits'}: return value['bits'].numpy().view(np.dtype(value['ndarray']))
+        return {k: _from_plain(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)): return tuple(_from_plain(v) for v in value)
+    return value
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor): return torch.equal(a, b)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray): return np.array_equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict): return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, tuple) and isinstance(b, tuple): return len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+def same_state(a, b):
+    "Whether two random states are equal, comparing arrays by value (for states as read, or as `saveable_rng` wrote)."
+    return _same(_from_plain(a), _from_plain(b))
 
 def saveable_rng(states):
     "`states` with numpy's state as tensors and numbers, so that `torch.load(weights_only=True)` accepts it."
-    if 'numpy' not in states: return states
-    name, keys, pos, has_gauss, cached = states['numpy']
-    return {**states, 'numpy': (name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached))}
+    return {**states, 'numpy': _plain(states['numpy'])} if 'numpy' in states else states
 
 def set_rng_states(states):
     "Put every generator back in the state `rng_states` (or `saveable_rng`) read."
     torch.set_rng_state(states['torch'])
-    if 'numpy' in states:
-        name, keys, pos, has_gauss, cached = states['numpy']
-        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    if 'numpy' in states: np.random.set_state(_from_plain(states['numpy']))
     if 'random' in states: random.setstate(states['random'])
     if 'cuda' in states and torch.cuda.is_available(): torch.cuda.set_rng_state_all(states['cuda'])
 
 # %% ../nbs/12_nan_capture.ipynb #c008
+class FiniteCheck:
+    "Tests gradients (of one device and one dtype) for NaN and infinity with one multi-tensor kernel."
+    def __init__(self, device):
+        self.found, self.one = torch.zeros(1, device=device), torch.ones(1, device=device)
+        self.found_host = self.found.numpy() if self.found.device.type == 'cpu' else None  # the same memory
+
+    def __call__(self, grads):
+        "Whether every value of `grads` is finite; on a GPU the host waits for the answer (one sync)."
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found, self.one)
+        found = self.found_host[0] if self.found_host is not None else bool(self.found)
+        if found: self.found.zero_()  # the kernel only ever sets the flag: reset it when it was set
+        return not found
+
 def grads_are_finite(grads):
     "Whether every value of `grads` (tensors of one device and one dtype) is finite: one kernel, one host read."
-    found_inf = torch.zeros(1, device=grads[0].device)
-    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, torch.ones(1, device=grads[0].device))
-    return not bool(found_inf)
+    return FiniteCheck(grads[0].device)(grads)
 
 def nonfinite_grads(named_params):
     "Names of the parameters among `(name, param)` pairs whose gradient holds a NaN or an infinity."
@@ -66,33 +130,58 @@ def check_count(name, value, minimum=1):
 
 def _all_finite(tensors): return all(bool(torch.isfinite(t).all()) for t in tensors)
 
+@dataclass(slots=True)
+class KeptStep:
+    "What `NaNCapture` keeps from the start of the current step: the batch and the random states."
+    batch: tuple = None
+    rng: dict = None
+
 class NaNCapture(Callback):
     "Before each optimizer step check the gradients; on a NaN or infinity save the step to `path` and stop the fit."
     order, run_valid = 20, False
     def __init__(self,
                  path,  # file to write the captured step to
                  check_every=1,  # check every this many training steps (see the trade-off above)
-                 host_rngs=True,  # also keep numpy's and Python's random states (most of the callback's cost)
+                 rngs='auto',  # which random states to keep at every step: 'auto' or 'every_step' (see above)
                 ):
         check_count('check_every', check_every)
-        self.path, self.check_every, self.host_rngs, self.captured = os.fspath(path), check_every, host_rngs, None
-        self.name = 'nan_capture'
+        if rngs not in ('auto', 'every_step'): raise ValueError(f"rngs must be 'auto' or 'every_step', got {rngs!r}")
+        self.path, self.check_every, self.rngs, self.captured = os.fspath(path), check_every, rngs, None
+        self.name, self._readers = 'nan_capture', rng_readers()
+
+    @property
+    def step_rngs(self):
+        "The generators whose states are read at the start of every checked step (all of them until the first has run)."
+        return list(self._readers)
 
     def before_fit(self):
         self._named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self._uniform = len({(p.device, p.dtype) for _, p in self._named}) <= 1
+        self._params = [p for _, p in self._named]
+        kinds = {(p.device, p.dtype) for p in self._params}
+        self._check = FiniteCheck(kinds.pop()[0]) if len(kinds) == 1 else _all_finite
+        self._kept = KeptStep()
+        self._readers = rng_readers()  # the generators read at the start of every checked step
+        self._probe = self.rngs == 'auto'  # the first checked step shows which generators the steps draw from
         self.captured = None
 
-    def _due(self): return self.train_iter % self.check_every == 0
-
+    # the two handlers below run at every training step: they read the learner directly and write into `_kept`,
+    # since falling through `self.<name>` to the learner and the warning check of callback attributes cost time here
     def before_batch(self):
-        if self._due(): self._batch, self._rng = (self.xb, self.yb), rng_states(self.host_rngs)
+        learn = self.learn
+        if learn.train_iter % self.check_every: return
+        kept = self._kept
+        kept.batch, kept.rng = (learn.xb, learn.yb), {name: read() for name, read in self._readers.items()}
 
     def before_step(self):
-        if not self._due(): return
-        grads = [p.grad for _, p in self._named if p.grad is not None]
-        if not grads or (grads_are_finite(grads) if self._uniform else _all_finite(grads)): return
-        self._capture(nonfinite_grads(self._named))
+        if self.learn.train_iter % self.check_every: return
+        if self._probe: self._end_probe()
+        grads = [g for p in self._params if (g := p.grad) is not None]
+        if grads and not self._check(grads): self._capture(nonfinite_grads(self._named))
+
+    def _end_probe(self):
+        "After the first checked step, go on reading at every step only the generators that this step drew from."
+        self._probe = False
+        self._readers = {name: read for name, read in self._readers.items() if not same_state(self._kept.rng[name], read())}
 
     def _capture(self, bad):
         atomic_save(self._capture_state(bad), self.path)
@@ -103,12 +192,15 @@ class NaNCapture(Callback):
         raise CancelFitException()
 
     def _capture_state(self, bad):
+        kept = self._kept.rng
+        rng = {name: kept[name] if name in kept else read() for name, read in rng_readers().items()}
         return {'format': 'teachloop-nan-capture', 'model': self.model.state_dict(), 'opt': self.opt.state_dict(),
-                'batch': to_device(self._batch, 'cpu', non_blocking=False), 'rng': saveable_rng(self._rng),
+                'batch': to_device(self._kept.batch, 'cpu', non_blocking=False), 'rng': saveable_rng(rng),
+                'rng_read_at': {name: 'start' if name in kept else 'end' for name in rng},
                 'epoch': self.epoch, 'iter': self.iter, 'train_iter': self.train_iter, 'loss': float(self.loss),
                 'bad_params': bad, 'weights_finite': _all_finite(self.model.parameters())}
 
-# %% ../nbs/12_nan_capture.ipynb #c019
+# %% ../nbs/12_nan_capture.ipynb #c022
 @dataclass
 class NaNReport:
     "What a replayed step showed: whether non-finite gradients came back, and where they started."
@@ -120,6 +212,7 @@ class NaNReport:
     source: str | None  # the line of Python whose forward operation that was
     epoch: int = 0
     iter: int = 0
+    rng_exact: bool = True  # False: the step drew from a generator whose state was read at its end, not its start
     notes: list = field(default_factory=list)
 
     def __str__(self):
@@ -130,7 +223,7 @@ class NaNReport:
         if self.source: lines.append(f"created in the forward pass at:\n{self.source}")
         return '\n'.join(lines + self.notes)
 
-# %% ../nbs/12_nan_capture.ipynb #c020
+# %% ../nbs/12_nan_capture.ipynb #c023
 def load_capture(path):
     "Read a file written by `NaNCapture`, with a clear error when it is not one."
     try: capture = torch.load(path, map_location='cpu', weights_only=True)
@@ -156,7 +249,7 @@ def restore_training_state(learn, model_state, opt_state):
     learn.model.load_state_dict(model_state)
     learn.opt = opt
 
-# %% ../nbs/12_nan_capture.ipynb #c022
+# %% ../nbs/12_nan_capture.ipynb #c025
 def _tensors(value):
     if isinstance(value, torch.Tensor): return [value]
     if isinstance(value, (list, tuple)): return [t for v in value for t in _tensors(v)]
@@ -190,7 +283,7 @@ def watch_backward(loss, found):
         return hook
     return [node.register_hook(hook_for(node)) for node in graph_nodes(loss.grad_fn)]
 
-# %% ../nbs/12_nan_capture.ipynb #c023
+# %% ../nbs/12_nan_capture.ipynb #c026
 def _source_line(node):
     "The innermost frame of the forward call that created `node` (recorded by anomaly mode)."
     trace = (getattr(node, 'metadata', None) or {}).get('traceback_') or []
@@ -222,11 +315,18 @@ def replay_nan(learn, path):
     try:
         loss, forward_bad, backward_bad = _replay_step(learn, xb, yb)
         bad = nonfinite_grads(learn.model.named_parameters())
+        moved = [name for name, read in rng_readers().items()
+                 if name in capture['rng'] and not same_state(capture['rng'][name], read())]
     finally:
         learn.opt.zero_grad()
         learn.model.eval()
     node = backward_bad[0] if backward_bad else None
+    read_late = [name for name in moved if capture.get('rng_read_at', {}).get(name) == 'end']
+    notes = [] if capture['weights_finite'] else ['(the captured weights were already non-finite)']
+    if read_late:
+        notes.append(f"(the step drew from the {' and '.join(read_late)} random generator, whose state was read at the "
+                     "end of the captured step, not at its start: the replay may differ from the original step; "
+                     "capture with NaNCapture(..., rngs='every_step'))")
     return NaNReport(recurred=bool(bad), bad_params=bad, loss=float(loss), first_forward=(forward_bad or [None])[0],
                      first_backward=node.name() if node is not None else None, source=_source_line(node) if node else None,
-                     epoch=capture['epoch'], iter=capture['iter'],
-                     notes=[] if capture['weights_finite'] else ['(the captured weights were already non-finite)'])
+                     epoch=capture['epoch'], iter=capture['iter'], rng_exact=not read_late, notes=notes)

@@ -9,6 +9,7 @@ from torch import nn
 
 from teachloop.data import digits_cnn, digits_dls
 from teachloop.learner import Callback, Learner
+from teachloop import nan_capture
 from teachloop.nan_capture import (NaNCapture, grads_are_finite, load_capture, nonfinite_grads, replay_nan,
                                    rng_states, saveable_rng, set_rng_states)
 from teachloop.optimizer import SGD
@@ -49,6 +50,57 @@ def test_rng_states_round_trip_through_a_file(tmp_path):
     set_rng_states(torch.load(tmp_path / 'rng.pt', weights_only=True))
     assert torch.equal(first[0], torch.rand(3)) and np.array_equal(first[1], np.random.rand(3)) and first[2] == random.random()
     assert set(rng_states(host=False)) <= {'torch', 'cuda'}
+
+
+def same_numpy_state(a, b):
+    "Two states from `np.random.get_state()` (the legacy tuple) are equal, array included."
+    return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
+
+
+def test_numpy_state_is_read_again_only_when_it_changed_and_always_equals_numpys(monkeypatch):
+    full_reads = []
+    getter = np.random.get_state
+    monkeypatch.setattr(np.random, 'get_state', lambda *a, **k: full_reads.append(1) or getter(*a, **k))
+    saved = getter()
+    try:
+        np.random.seed(1)
+        changes = [lambda: None, lambda: np.random.rand(3), lambda: None,
+                   lambda: np.random.standard_normal(),  # draws two normals, keeps one cached (has_gauss = 1)
+                   lambda: np.random.standard_normal(),  # uses the cached one: no raw byte changes
+                   lambda: None, lambda: np.random.seed(1), lambda: np.random.randint(0, 9, 700),
+                   lambda: np.random.set_state(saved), lambda: None]
+        for change in changes:
+            change()
+            before = len(full_reads)
+            state = rng_states()['numpy']
+            assert same_numpy_state(state, getter()), change
+            reads = len(full_reads) - before
+            assert nan_capture._numpy_state.raw is not None, "the raw-state shortcut should be in use for MT19937"
+            if reads == 0: assert not state[3]
+        # no change and no cached normal: no full read at all
+        rng_states()
+        before = len(full_reads)
+        for _ in range(5): rng_states()
+        assert len(full_reads) == before
+        np.random.rand()
+        rng_states()
+        assert len(full_reads) == before + 1
+    finally: np.random.set_state(saved)
+
+
+def test_rng_states_with_another_numpy_generator_round_trip_through_a_file(tmp_path):
+    original = np.random.get_bit_generator()
+    np.random.set_bit_generator(np.random.PCG64(5))
+    try:
+        saved = rng_states()
+        assert saved['numpy'] == np.random.get_state(legacy=False)  # PCG64's state is a dict of numbers
+        torch.save(saveable_rng(saved), tmp_path / 'rng.pt')
+        first = np.random.rand(4)
+        set_rng_states(torch.load(tmp_path / 'rng.pt', weights_only=True))
+        assert np.array_equal(first, np.random.rand(4))
+    finally: np.random.set_bit_generator(original)
+    saved = rng_states()
+    assert same_numpy_state(saved['numpy'], np.random.get_state()) and nan_capture._numpy_state.raw is not None
 
 
 def test_grads_are_finite_matches_isfinite_and_leaves_grads_unchanged():
@@ -153,6 +205,63 @@ def test_check_every_checks_only_every_kth_step(tmp_path, check_every, captured_
     assert capture['train_iter'] == captured_at and capture['weights_finite'] == weights_finite
 
 
+class NumpyScale(nn.Module):
+    "Scales its input by factors drawn from numpy's global generator, from call `first_draw` on."
+    def __init__(self, first_draw=0): super().__init__(); self.calls, self.first_draw = 0, first_draw
+    def forward(self, x):
+        self.calls += 1
+        if self.calls <= self.first_draw: return x
+        return x * torch.from_numpy(np.random.rand(x.shape[1])).to(x.dtype)
+
+
+def numpy_model(first_draw=0):
+    return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), NumpyScale(first_draw), nn.Linear(16, 10))
+
+
+def dropout_model(): return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.Dropout(0.5), nn.Linear(16, 10))
+
+
+def capture_at_step_3(tmp_path, model, rngs='auto'):
+    "Fit with a NaN put into a gradient at training step 3; return the learner and the capture."
+    torch.manual_seed(0)
+    np.random.seed(0)
+    learn = quiet_learner(digits_dls(bs=32), model, F.cross_entropy,
+                          cbs=[NaNCapture(tmp_path / 'nan.pt', rngs=rngs), NaNGradientAt(3)])
+    learn.fit(1)
+    return learn, load_capture(tmp_path / 'nan.pt')
+
+
+@pytest.mark.parametrize('model, rngs, read_at_start', [
+    (digits_cnn, 'auto', set()), (dropout_model, 'auto', {'torch'}), (numpy_model, 'auto', {'numpy'}),
+    (digits_cnn, 'every_step', {'torch', 'numpy', 'random'})])
+def test_auto_keeps_at_every_step_only_the_generators_the_first_step_drew_from(tmp_path, model, rngs, read_at_start):
+    learn, capture = capture_at_step_3(tmp_path, model(), rngs)
+    assert capture['train_iter'] == 3
+    read_at = {name: at for name, at in capture['rng_read_at'].items() if name != 'cuda'}
+    assert read_at == {name: 'start' if name in read_at_start else 'end' for name in ('torch', 'numpy', 'random')}
+    assert set(learn.nan_capture.step_rngs) - {'cuda'} == read_at_start
+
+
+@pytest.mark.parametrize('model', [dropout_model, numpy_model])
+def test_replay_of_a_step_drawing_random_numbers_is_exact(tmp_path, model):
+    _, capture = capture_at_step_3(tmp_path, model())
+    torch.manual_seed(5)
+    np.random.seed(5)  # the replay must not depend on the current random states
+    report = replay_nan(quiet_learner(digits_dls(bs=32), model(), F.cross_entropy), tmp_path / 'nan.pt')
+    assert report.rng_exact and report.loss == capture['loss'] and not report.recurred  # the NaN was put in, not made
+
+
+def test_replay_reports_a_generator_that_the_first_step_did_not_use(tmp_path):
+    "numpy is drawn from the second step on: the first step's test misses it and the replay says so."
+    _, capture = capture_at_step_3(tmp_path, numpy_model(first_draw=1))
+    assert capture['rng_read_at']['numpy'] == 'end'
+    report = replay_nan(quiet_learner(digits_dls(bs=32), numpy_model(), F.cross_entropy), tmp_path / 'nan.pt')
+    assert not report.rng_exact and report.loss != capture['loss'] and "rngs='every_step'" in str(report)
+    _, capture = capture_at_step_3(tmp_path, numpy_model(first_draw=1), rngs='every_step')
+    report = replay_nan(quiet_learner(digits_dls(bs=32), numpy_model(), F.cross_entropy), tmp_path / 'nan.pt')
+    assert report.rng_exact and report.loss == capture['loss']
+
+
 def test_replay_refuses_files_that_do_not_fit(tmp_path):
     torch.manual_seed(0)
     dls = digits_dls(bs=32)
@@ -166,3 +275,4 @@ def test_replay_refuses_files_that_do_not_fit(tmp_path):
     (tmp_path / 'cut.pt').write_bytes((tmp_path / 'nan.pt').read_bytes()[:100])
     with pytest.raises(ValueError, match='could not read'): replay_nan(other, tmp_path / 'cut.pt')
     with pytest.raises(ValueError, match='check_every'): NaNCapture(tmp_path / 'x.pt', check_every=0)
+    with pytest.raises(ValueError, match='rngs'): NaNCapture(tmp_path / 'x.pt', rngs=True)

@@ -27,35 +27,46 @@ __all__ = ['NumpyRandomState', 'rng_readers', 'rng_states', 'same_state', 'savea
 # %% ../nbs/12_nan_capture.ipynb #c004
 _has_cuda = torch.cuda.is_available()
 
+def _full_numpy_state():
+    "numpy's global state as its getter gives it: a tuple for MT19937, a dict for any other bit generator."
+    return np.random.get_state(legacy=type(np.random.get_bit_generator()).__name__ == 'MT19937')
+
 class NumpyRandomState:
     "Reads numpy's global random state; the slow full read happens only when the generator's raw state changed."
-    def __init__(self): self.bit_generator, self.raw, self.last = None, None, None
+    def __init__(self): self.source, self.last = (None, None), None  # (bit generator, raw state bytes or None)
 
     def _attach(self, bit_generator):
         "Use `bit_generator`'s raw state bytes only if they match what numpy's getter reports, byte for byte."
-        self.bit_generator, self.raw, self.last = bit_generator, None, None
-        self.legacy = type(bit_generator).__name__ == 'MT19937'  # numpy's tuple form exists for MT19937 only
-        if not self.legacy: return
-        raw = (ctypes.c_char * (624 * 4 + 4)).from_address(bit_generator.ctypes.state_address)
-        _, keys, pos, _, _ = np.random.get_state()
-        if raw.raw == keys.astype(np.uint32).tobytes() + np.int32(pos).tobytes(): self.raw = raw
+        raw = None
+        if type(bit_generator).__name__ == 'MT19937':
+            raw = (ctypes.c_char * (624 * 4 + 4)).from_address(bit_generator.ctypes.state_address)
+            _, keys, pos, _, _ = np.random.get_state()
+            if raw.raw != keys.astype(np.uint32).tobytes() + np.int32(pos).tobytes(): raw = None
+        self.last, self.source = None, (bit_generator, raw)  # one assignment each: safe for a reader in another thread
+        return self.source
+
+    def forget(self):
+        "Drop the cached state: the next read is a full one (after numpy's state was set)."
+        self.last = None
 
     def read(self):
-        bit_generator = np.random.get_bit_generator()
-        if bit_generator is not self.bit_generator: self._attach(bit_generator)
-        if self.raw is None: return np.random.get_state(legacy=self.legacy)
-        raw, last = self.raw.raw, self.last
+        bit_generator, raw = self.source
+        if bit_generator is not np.random.get_bit_generator(): bit_generator, raw = self._attach(np.random.get_bit_generator())
+        if raw is None: return _full_numpy_state()
+        raw, last = raw.raw, self.last
         if last is None or last[0] != raw or last[1][3]:  # changed, or holding a cached normal value
-            last = self.last = (raw, np.random.get_state())
+            state = np.random.get_state()
+            state[1].flags.writeable = False  # shared by every read until the state changes
+            last = self.last = (raw, state)
         return last[1]
 
 _numpy_state = NumpyRandomState()
 
-def rng_readers(host=True):
+def rng_readers(host=True, cached_numpy=False):
     "A function reading each generator a step may use: torch, CUDA (when present), and with `host` numpy and `random`."
     readers = {'torch': torch.get_rng_state}
     if _has_cuda: readers['cuda'] = torch.cuda.get_rng_state_all
-    if host: readers.update(numpy=_numpy_state.read, random=random.getstate)
+    if host: readers.update(numpy=_numpy_state.read if cached_numpy else _full_numpy_state, random=random.getstate)
     return readers
 
 def rng_states(host=True):
@@ -96,7 +107,9 @@ def saveable_rng(states):
 def set_rng_states(states):
     "Put every generator back in the state `rng_states` (or `saveable_rng`) read."
     torch.set_rng_state(states['torch'])
-    if 'numpy' in states: np.random.set_state(_from_plain(states['numpy']))
+    if 'numpy' in states:
+        np.random.set_state(_from_plain(states['numpy']))
+        _numpy_state.forget()
     if 'random' in states: random.setstate(states['random'])
     if 'cuda' in states and torch.cuda.is_available(): torch.cuda.set_rng_state_all(states['cuda'])
 
@@ -104,7 +117,7 @@ def set_rng_states(states):
 class FiniteCheck:
     "Tests gradients (of one device and one dtype) for NaN and infinity with one multi-tensor kernel."
     def __init__(self, device):
-        self.found, self.one = torch.zeros(1, device=device), torch.ones(1, device=device)
+        self.found, self.one = (torch.full((1,), v, dtype=torch.float32, device=device) for v in (0., 1.))
         self.found_host = self.found.numpy() if self.found.device.type == 'cpu' else None  # the same memory
 
     def __call__(self, grads):
@@ -147,7 +160,7 @@ class NaNCapture(Callback):
         check_count('check_every', check_every)
         if rngs not in ('auto', 'every_step'): raise ValueError(f"rngs must be 'auto' or 'every_step', got {rngs!r}")
         self.path, self.check_every, self.rngs, self.captured = os.fspath(path), check_every, rngs, None
-        self.name, self._readers = 'nan_capture', rng_readers()
+        self.name, self._readers = 'nan_capture', rng_readers(cached_numpy=True)
 
     @property
     def step_rngs(self):
@@ -160,7 +173,7 @@ class NaNCapture(Callback):
         kinds = {(p.device, p.dtype) for p in self._params}
         self._check = FiniteCheck(kinds.pop()[0]) if len(kinds) == 1 else _all_finite
         self._kept = KeptStep()
-        self._readers = rng_readers()  # the generators read at the start of every checked step
+        self._readers = rng_readers(cached_numpy=True)  # the generators read at the start of every checked step
         self._probe = self.rngs == 'auto'  # the first checked step shows which generators the steps draw from
         self.captured = None
 
@@ -212,7 +225,7 @@ class NaNReport:
     source: str | None  # the line of Python whose forward operation that was
     epoch: int = 0
     iter: int = 0
-    rng_exact: bool = True  # False: the step drew from a generator whose state was read at its end, not its start
+    rng_exact: bool = True  # False: the replayed model and loss drew from a generator whose state is from the step's end
     notes: list = field(default_factory=list)
 
     def __str__(self):

@@ -20,9 +20,9 @@ from .learner import Callback, CancelFitException, atomic_save, check_state_matc
 
 # %% auto #0
 __all__ = ['NumpyRandomState', 'rng_readers', 'rng_states', 'same_state', 'saveable_rng', 'set_rng_states', 'FiniteCheck',
-           'grads_are_finite', 'nonfinite_grads', 'check_count', 'KeptStep', 'NaNCapture', 'NaNReport', 'load_capture',
-           'optimizer_with_state', 'restore_training_state', 'watch_forward', 'graph_nodes', 'watch_backward',
-           'replay_nan']
+           'grads_are_finite', 'nonfinite_grads', 'cloned', 'AsyncFiniteCheck', 'PendingCheck', 'check_count',
+           'KeptStep', 'NaNCapture', 'NaNReport', 'load_capture', 'optimizer_with_state', 'restore_training_state',
+           'watch_forward', 'graph_nodes', 'watch_backward', 'replay_nan']
 
 # %% ../nbs/12_nan_capture.ipynb #c004
 _has_cuda = torch.cuda.is_available()
@@ -136,6 +136,50 @@ def nonfinite_grads(named_params):
     return [name for name, p in named_params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
 
 # %% ../nbs/12_nan_capture.ipynb #c012
+def cloned(value):
+    "A copy of `value` (tensors, and the dicts, lists and tuples that hold them) that later in-place changes cannot reach."
+    if isinstance(value, torch.Tensor): return value.clone()
+    if isinstance(value, dict): return {k: cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)): return type(value)(cloned(v) for v in value)
+    return value
+
+class AsyncFiniteCheck:
+    "A finiteness check of gradients whose answer is copied to the host without waiting; `ready` and `finite` read it."
+    def __init__(self, device):
+        self.found, self.one = (torch.full((1,), v, dtype=torch.float32, device=device) for v in (0., 1.))
+        self.cuda = self.found.is_cuda
+        self.host = torch.zeros(1, pin_memory=True) if self.cuda else self.found
+        self.event = torch.cuda.Event() if self.cuda else None
+
+    def start(self, grads):
+        "Queue the check of `grads` and the copy of its answer to the host; returns at once."
+        self.found.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found, self.one)
+        if self.cuda:
+            self.host.copy_(self.found, non_blocking=True)
+            self.event.record()
+
+    def ready(self): return not self.cuda or self.event.query()
+
+    def finite(self):
+        "Whether the checked gradients were all finite; waits only if the answer has not reached the host yet."
+        if self.cuda and not self.event.query(): self.event.synchronize()
+        return not self.host.item()
+
+class PendingCheck:
+    "A checked step whose answer is on its way: the copies needed to go back to before the step, and the check itself."
+    def __init__(self, grads, names, record, check):
+        self.names, self.record, self.check = names, record, check
+        self.grads = torch._foreach_mul(grads, 1.)  # copies: the optimizer step frees or changes the gradients
+        check.start(self.grads)
+
+    def ready(self): return self.check.ready()
+    def finite(self): return self.check.finite()
+    def nonfinite(self):
+        "Names of the parameters whose copied gradient holds a NaN or an infinity."
+        return [n for n, g in zip(self.names, self.grads) if not bool(torch.isfinite(g).all())]
+
+# %% ../nbs/12_nan_capture.ipynb #c013
 def check_count(name, value, minimum=1):
     "Raise `ValueError` unless `value` is a whole number >= `minimum` (a count of steps, epochs, files)."
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -156,11 +200,14 @@ class NaNCapture(Callback):
                  path,  # file to write the captured step to
                  check_every=1,  # check every this many training steps (see the trade-off above)
                  rngs='auto',  # which random states to keep at every step: 'auto' or 'every_step' (see above)
+                 sync_free=None,  # read each check's answer later instead of waiting for it; None: on a GPU with check_every > 1
                 ):
         check_count('check_every', check_every)
         if rngs not in ('auto', 'every_step'): raise ValueError(f"rngs must be 'auto' or 'every_step', got {rngs!r}")
-        self.path, self.check_every, self.rngs, self.captured = os.fspath(path), check_every, rngs, None
-        self.name, self._readers = 'nan_capture', rng_readers(cached_numpy=True)
+        if sync_free is not None and not isinstance(sync_free, bool):
+            raise ValueError(f"sync_free must be None, True or False, got {sync_free!r}")
+        self.path, self.check_every, self.rngs, self.sync_free = os.fspath(path), check_every, rngs, sync_free
+        self.name, self.captured, self._readers, self._pending = 'nan_capture', None, rng_readers(cached_numpy=True), None
 
     @property
     def step_rngs(self):
@@ -171,8 +218,14 @@ class NaNCapture(Callback):
         self._named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in self._named]
         kinds = {(p.device, p.dtype) for p in self._params}
-        self._check = FiniteCheck(kinds.pop()[0]) if len(kinds) == 1 else _all_finite
-        self._kept = KeptStep()
+        device = next(iter(kinds))[0] if len(kinds) == 1 else None
+        deferred = self.sync_free if self.sync_free is not None else (self.check_every > 1 and getattr(device, 'type', '') == 'cuda')
+        if deferred and device is None:
+            raise ValueError("NaNCapture(sync_free=True) needs every trained parameter on one device with one dtype; "
+                             "use sync_free=False for this model")
+        self._check = FiniteCheck(device) if device is not None else _all_finite
+        self._async_check = AsyncFiniteCheck(device) if deferred else None
+        self._kept, self._pending = KeptStep(), None
         self._readers = rng_readers(cached_numpy=True)  # the generators read at the start of every checked step
         self._probe = self.rngs == 'auto'  # the first checked step shows which generators the steps draw from
         self.captured = None
@@ -181,6 +234,7 @@ class NaNCapture(Callback):
     # since falling through `self.<name>` to the learner and the warning check of callback attributes cost time here
     def before_batch(self):
         learn = self.learn
+        if self._pending is not None and self._pending.ready(): self._resolve()
         if learn.train_iter % self.check_every: return
         kept = self._kept
         kept.batch, kept.rng = (learn.xb, learn.yb), {name: read() for name, read in self._readers.items()}
@@ -189,31 +243,66 @@ class NaNCapture(Callback):
         if self.learn.train_iter % self.check_every: return
         if self._probe: self._end_probe()
         grads = [g for p in self._params if (g := p.grad) is not None]
-        if grads and not self._check(grads): self._capture(nonfinite_grads(self._named))
+        if not grads: return
+        if self._async_check is None:
+            if not self._check(grads): self._capture(nonfinite_grads(self._named))
+            return
+        if self._pending is not None: return  # the previous answer is still on its way: no second copy, no waiting
+        names = [n for n, p in self._named if p.grad is not None]
+        self._pending = PendingCheck(grads, names, self._step_record(copy=True), self._async_check)
 
     def _end_probe(self):
         "After the first checked step, go on reading at every step only the generators that this step drew from."
         self._probe = False
         self._readers = {name: read for name, read in self._readers.items() if not same_state(self._kept.rng[name], read())}
 
-    def _capture(self, bad):
-        atomic_save(self._capture_state(bad), self.path)
+    def _step_record(self, copy=False):
+        "What the file keeps of the current step, read before its optimizer step (`copy`: copied, for a step that goes on)."
+        kept = self._kept.rng
+        rng = {name: kept[name] if name in kept else read() for name, read in rng_readers(cached_numpy=True).items()}
+        model, opt = self.model.state_dict(), self.opt.state_dict()
+        if copy: model, opt = cloned(model), cloned(opt)
+        return {'model': model, 'opt': opt, 'batch': self._kept.batch, 'rng': rng,
+                'rng_read_at': {name: 'start' if name in kept else 'end' for name in rng},
+                'epoch': self.epoch, 'iter': self.iter, 'train_iter': self.train_iter, 'loss': self.loss}
+
+    def _save(self, record, bad, note=''):
+        model = record['model']
+        atomic_save({**record, 'format': 'teachloop-nan-capture', 'batch': to_device(record['batch'], 'cpu', non_blocking=False),
+                     'rng': saveable_rng(record['rng']), 'loss': float(record['loss']), 'bad_params': bad,
+                     'weights_finite': _all_finite(t for t in model.values() if t.is_floating_point())}, self.path)
         self.captured = self.path
-        self.opt.zero_grad()
         print(f"NaNCapture: non-finite gradients in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} at epoch "
-              f"{self.epoch}, batch {self.iter}; the step is saved to {self.path!r} and the fit stopped")
+              f"{record['epoch']}, batch {record['iter']}{note}; the step is saved to {self.path!r} and the fit stopped")
+
+    def _capture(self, bad):
+        self._save(self._step_record(), bad)
+        self.opt.zero_grad()
         raise CancelFitException()
 
-    def _capture_state(self, bad):
-        kept = self._kept.rng
-        rng = {name: kept[name] if name in kept else read() for name, read in rng_readers().items()}
-        return {'format': 'teachloop-nan-capture', 'model': self.model.state_dict(), 'opt': self.opt.state_dict(),
-                'batch': to_device(self._kept.batch, 'cpu', non_blocking=False), 'rng': saveable_rng(rng),
-                'rng_read_at': {name: 'start' if name in kept else 'end' for name in rng},
-                'epoch': self.epoch, 'iter': self.iter, 'train_iter': self.train_iter, 'loss': float(self.loss),
-                'bad_params': bad, 'weights_finite': _all_finite(self.model.parameters())}
+    def _resolve(self):
+        "Read the pending check's answer; if its step had non-finite gradients, go back to before that step and stop."
+        pending, self._pending = self._pending, None
+        if pending.finite(): return
+        self.model.load_state_dict(pending.record['model'])
+        self.opt.load_state_dict(pending.record['opt'])
+        self._save(pending.record, pending.nonfinite(), note=f" (seen at step {self.train_iter}; the learner is back "
+                   "at the weights before the bad step)")
+        raise CancelFitException()
 
-# %% ../nbs/12_nan_capture.ipynb #c022
+    # a pending check is settled before validation (which should not run on broken weights) and at the end of the fit
+    def before_validate(self):
+        if self._pending is not None: self._resolve()
+
+    def after_epoch(self):
+        if self._pending is not None: self._resolve()
+
+    def after_fit(self):
+        if self._pending is None: return
+        try: self._resolve()
+        except CancelFitException: pass  # the fit is ending anyway
+
+# %% ../nbs/12_nan_capture.ipynb #c026
 @dataclass
 class NaNReport:
     "What a replayed step showed: whether non-finite gradients came back, and where they started."
@@ -236,7 +325,7 @@ class NaNReport:
         if self.source: lines.append(f"created in the forward pass at:\n{self.source}")
         return '\n'.join(lines + self.notes)
 
-# %% ../nbs/12_nan_capture.ipynb #c023
+# %% ../nbs/12_nan_capture.ipynb #c027
 def load_capture(path):
     "Read a file written by `NaNCapture`, with a clear error when it is not one."
     try: capture = torch.load(path, map_location='cpu', weights_only=True)
@@ -262,7 +351,7 @@ def restore_training_state(learn, model_state, opt_state):
     learn.model.load_state_dict(model_state)
     learn.opt = opt
 
-# %% ../nbs/12_nan_capture.ipynb #c025
+# %% ../nbs/12_nan_capture.ipynb #c029
 def _tensors(value):
     if isinstance(value, torch.Tensor): return [value]
     if isinstance(value, (list, tuple)): return [t for v in value for t in _tensors(v)]
@@ -296,7 +385,7 @@ def watch_backward(loss, found):
         return hook
     return [node.register_hook(hook_for(node)) for node in graph_nodes(loss.grad_fn)]
 
-# %% ../nbs/12_nan_capture.ipynb #c026
+# %% ../nbs/12_nan_capture.ipynb #c030
 def _source_line(node):
     "The innermost frame of the forward call that created `node` (recorded by anomaly mode)."
     trace = (getattr(node, 'metadata', None) or {}).get('traceback_') or []

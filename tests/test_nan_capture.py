@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from teachloop.data import digits_cnn, digits_dls
-from teachloop.learner import Callback, Learner
+from teachloop.learner import Callback, CancelFitException, Learner
 from teachloop import nan_capture
 from teachloop.nan_capture import (NaNCapture, grads_are_finite, load_capture, nonfinite_grads, replay_nan,
                                    rng_states, saveable_rng, set_rng_states)
-from teachloop.optimizer import SGD
+from teachloop.optimizer import SGD, Adam
 
 
 def per_class_loss(pred, target):
@@ -212,14 +212,99 @@ class NaNGradientAt(Callback):
         if self.train_iter == self.step: next(self.model.parameters()).grad.view(-1)[0] = float('nan')
 
 
+@pytest.mark.parametrize('sync_free', [False, True])
 @pytest.mark.parametrize('check_every, captured_at, weights_finite', [(1, 1, True), (3, 3, False)])
-def test_check_every_checks_only_every_kth_step(tmp_path, check_every, captured_at, weights_finite):
+def test_check_every_checks_only_every_kth_step(tmp_path, check_every, captured_at, weights_finite, sync_free):
     torch.manual_seed(0)
     learn = quiet_learner(digits_dls(bs=32), digits_cnn(), F.cross_entropy,
-                          cbs=[NaNCapture(tmp_path / 'nan.pt', check_every=check_every), NaNGradientAt(1)])
+                          cbs=[NaNCapture(tmp_path / 'nan.pt', check_every=check_every, sync_free=sync_free), NaNGradientAt(1)])
     learn.fit(1)
     capture = load_capture(tmp_path / 'nan.pt')
     assert capture['train_iter'] == captured_at and capture['weights_finite'] == weights_finite
+
+
+def same_nested(a, b):
+    "Equal nested dicts, lists and tuples of tensors and plain values."
+    if isinstance(a, torch.Tensor): return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict): return isinstance(b, dict) and a.keys() == b.keys() and all(same_nested(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)): return len(a) == len(b) and all(map(same_nested, a, b))
+    return a == b
+
+
+class CancelFitAfterStep(Callback):
+    "End the fit right after the optimizer step of training step `step` (after NaNCapture looked at it)."
+    order = 30
+    def __init__(self, step): self.step = step
+    def after_step(self):
+        if self.train_iter == self.step: raise CancelFitException()
+
+
+class ValidBatches(Callback):
+    def __init__(self): self.count = 0
+    def after_batch(self): self.count += not self.training
+
+
+def fit_with_nan_at(tmp_path, name, step, sync_free, cbs=(), valid=True):
+    torch.manual_seed(0)
+    dls = digits_dls(bs=32)
+    if not valid: dls.valid = None
+    learn = quiet_learner(dls, digits_cnn(), F.cross_entropy, opt_func=Adam, lr=1e-3,
+                          cbs=[NaNCapture(tmp_path / name, sync_free=sync_free), NaNGradientAt(step), ValidBatches(), *cbs])
+    learn.fit(2)
+    return learn, load_capture(tmp_path / name)
+
+
+@pytest.mark.parametrize('where', ['mid-epoch', 'last step before validation', 'last step, no validation',
+                                   'fit cancelled after the step'])
+def test_sync_free_capture_equals_the_waiting_capture_and_restores_the_weights(tmp_path, where):
+    n_train = len(digits_dls(bs=32).train)
+    step, extra, valid = {'mid-epoch': (5, (), True), 'last step before validation': (n_train - 1, (), True),
+                          'last step, no validation': (n_train - 1, (), False),
+                          'fit cancelled after the step': (5, (CancelFitAfterStep(5),), True)}[where]
+    waiting, expected = fit_with_nan_at(tmp_path, 'wait.pt', step, False, valid=valid)
+    learn, capture = fit_with_nan_at(tmp_path, 'free.pt', step, True, cbs=extra, valid=valid)
+    assert capture['train_iter'] == expected['train_iter'] == step and capture['weights_finite']
+    for key in ('model', 'opt', 'batch', 'rng', 'rng_read_at', 'epoch', 'iter', 'loss', 'bad_params'):
+        assert same_nested(capture[key], expected[key]), key
+    # the step went ahead with the NaN gradient, and the learner was put back to the weights before it
+    assert same_nested(learn.model.state_dict(), waiting.model.state_dict())
+    assert same_nested(learn.opt.state_dict(), waiting.opt.state_dict())
+    assert learn.valid_batches.count == waiting.valid_batches.count == 0  # no validation on the broken weights
+
+
+def test_sync_free_needs_one_device_and_dtype(tmp_path):
+    class Mixed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body, self.extra = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), nn.Parameter(torch.zeros(2, dtype=torch.float64))
+        def forward(self, x): return self.body(x)
+    model = Mixed()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    learn = quiet_learner(digits_dls(bs=32), model, F.cross_entropy, cbs=[NaNCapture(tmp_path / 'nan.pt', sync_free=True)])
+    with pytest.raises(ValueError, match='sync_free'): learn.fit(1)
+    assert same_nested(model.state_dict(), before)
+    with pytest.raises(ValueError, match='sync_free'): NaNCapture(tmp_path / 'nan.pt', sync_free='yes')
+
+
+@pytest.mark.cuda
+def test_sync_free_check_never_makes_the_host_wait_on_the_gpu(tmp_path):
+    "Any synchronising CUDA call inside the callback's per-step handlers raises, under torch's sync debug mode."
+    class Strict(NaNCapture):
+        def _strict(self, handler):
+            torch.cuda.set_sync_debug_mode('error')
+            try: handler()
+            finally: torch.cuda.set_sync_debug_mode('default')
+        def before_batch(self): self._strict(super().before_batch)
+        def before_step(self): self._strict(super().before_step)
+    torch.manual_seed(0)
+    learn = quiet_learner(digits_dls(bs=32), dropout_model(), F.cross_entropy, cbs=[Strict(tmp_path / 'nan.pt', check_every=2)])
+    learn.fit(2)
+    assert learn.nan_capture._async_check is not None and learn.nan_capture.captured is None
+    learn = quiet_learner(digits_dls(bs=32), dropout_model(), F.cross_entropy,
+                          cbs=[NaNCapture(tmp_path / 'nan.pt', check_every=2), NaNGradientAt(4)])
+    learn.fit(1)
+    assert load_capture(tmp_path / 'nan.pt')['train_iter'] == 4
+    assert all(bool(torch.isfinite(p).all()) for p in learn.model.parameters())
 
 
 class NumpyScale(nn.Module):

@@ -20,9 +20,9 @@ from .learner import Callback, CancelFitException, atomic_save, check_state_matc
 
 # %% auto #0
 __all__ = ['NumpyRandomState', 'rng_readers', 'rng_states', 'same_state', 'saveable_rng', 'set_rng_states', 'FiniteCheck',
-           'grads_are_finite', 'nonfinite_grads', 'cloned', 'AsyncFiniteCheck', 'PendingCheck', 'check_count',
-           'KeptStep', 'NaNCapture', 'NaNReport', 'load_capture', 'optimizer_with_state', 'restore_training_state',
-           'watch_forward', 'graph_nodes', 'watch_backward', 'replay_nan']
+           'grads_are_finite', 'nonfinite_grads', 'cloned', 'AsyncFiniteCheck', 'tensors_in', 'PendingCheck',
+           'check_count', 'KeptStep', 'NaNCapture', 'NaNReport', 'load_capture', 'optimizer_with_state',
+           'restore_training_state', 'watch_forward', 'graph_nodes', 'watch_backward', 'replay_nan']
 
 # %% ../nbs/12_nan_capture.ipynb #c004
 _has_cuda = torch.cuda.is_available()
@@ -115,7 +115,7 @@ def set_rng_states(states):
 
 # %% ../nbs/12_nan_capture.ipynb #c008
 class FiniteCheck:
-    "Tests gradients (of one device and one dtype) for NaN and infinity with one multi-tensor kernel."
+    "Tests gradients (on one device) for NaN and infinity with one multi-tensor kernel."
     def __init__(self, device):
         self.found, self.one = (torch.full((1,), v, dtype=torch.float32, device=device) for v in (0., 1.))
         self.found_host = self.found.numpy() if self.found.device.type == 'cpu' else None  # the same memory
@@ -128,7 +128,7 @@ class FiniteCheck:
         return not found
 
 def grads_are_finite(grads):
-    "Whether every value of `grads` (tensors of one device and one dtype) is finite: one kernel, one host read."
+    "Whether every value of `grads` (tensors on one device) is finite: one kernel, one host read."
     return FiniteCheck(grads[0].device)(grads)
 
 def nonfinite_grads(named_params):
@@ -157,7 +157,7 @@ class AsyncFiniteCheck:
         torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found, self.one)
         if self.cuda:
             self.host.copy_(self.found, non_blocking=True)
-            self.event.record()
+            self.event.record(torch.cuda.current_stream(self.found.device))  # the stream the copy was queued on
 
     def ready(self): return not self.cuda or self.event.query()
 
@@ -166,12 +166,26 @@ class AsyncFiniteCheck:
         if self.cuda and not self.event.query(): self.event.synchronize()
         return not self.host.item()
 
+def tensors_in(value):
+    "The tensors in `value` and in the dicts, lists and tuples it holds, in order."
+    if isinstance(value, torch.Tensor): return [value]
+    if isinstance(value, dict): value = value.values()
+    if isinstance(value, (list, tuple, type({}.values()))): return [t for v in value for t in tensors_in(v)]
+    return []
+
 class PendingCheck:
     "A checked step whose answer is on its way: the copies needed to go back to before the step, and the check itself."
-    def __init__(self, grads, names, record, check):
+    def __init__(self, grads, names, record, live, check):
         self.names, self.record, self.check = names, record, check
         self.grads = torch._foreach_mul(grads, 1.)  # copies: the optimizer step frees or changes the gradients
+        self.pairs = list(zip(tensors_in(live), tensors_in((record['model'], record['opt']))))
         check.start(self.grads)
+
+    @torch.no_grad()
+    def undo_if_bad(self):
+        "On the device, without waiting: if the check found a non-finite gradient, put back the weights and optimizer state."
+        bad = self.check.found.bool()
+        for live, saved in self.pairs: live.copy_(torch.where(bad, saved, live))
 
     def ready(self): return self.check.ready()
     def finite(self): return self.check.finite()
@@ -217,15 +231,15 @@ class NaNCapture(Callback):
     def before_fit(self):
         self._named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in self._named]
-        kinds = {(p.device, p.dtype) for p in self._params}
-        device = next(iter(kinds))[0] if len(kinds) == 1 else None
+        devices = {p.device for p in self._params}
+        device = devices.pop() if len(devices) == 1 else None
         deferred = self.sync_free if self.sync_free is not None else (self.check_every > 1 and getattr(device, 'type', '') == 'cuda')
         if deferred and device is None:
-            raise ValueError("NaNCapture(sync_free=True) needs every trained parameter on one device with one dtype; "
+            raise ValueError("NaNCapture(sync_free=True) needs every trained parameter on one device; "
                              "use sync_free=False for this model")
         self._check = FiniteCheck(device) if device is not None else _all_finite
         self._async_check = AsyncFiniteCheck(device) if deferred else None
-        self._kept, self._pending = KeptStep(), None
+        self._kept, self._pending, self._undo_due = KeptStep(), None, False
         self._readers = rng_readers(cached_numpy=True)  # the generators read at the start of every checked step
         self._probe = self.rngs == 'auto'  # the first checked step shows which generators the steps draw from
         self.captured = None
@@ -249,18 +263,25 @@ class NaNCapture(Callback):
             return
         if self._pending is not None: return  # the previous answer is still on its way: no second copy, no waiting
         names = [n for n, p in self._named if p.grad is not None]
-        self._pending = PendingCheck(grads, names, self._step_record(copy=True), self._async_check)
+        live = (self.model.state_dict(), self.opt.state_dict())
+        self._pending = PendingCheck(grads, names, self._step_record(copy=True, states=live), live, self._async_check)
+        self._undo_due = True
+
+    def after_step(self):
+        if self._undo_due:  # the step just taken was checked without waiting: undo it on the device if it was bad
+            self._undo_due = False
+            self._pending.undo_if_bad()
 
     def _end_probe(self):
         "After the first checked step, go on reading at every step only the generators that this step drew from."
         self._probe = False
         self._readers = {name: read for name, read in self._readers.items() if not same_state(self._kept.rng[name], read())}
 
-    def _step_record(self, copy=False):
+    def _step_record(self, copy=False, states=None):
         "What the file keeps of the current step, read before its optimizer step (`copy`: copied, for a step that goes on)."
         kept = self._kept.rng
-        rng = {name: kept[name] if name in kept else read() for name, read in rng_readers(cached_numpy=True).items()}
-        model, opt = self.model.state_dict(), self.opt.state_dict()
+        rng = {name: kept[name] if name in kept else read() for name, read in rng_readers(cached_numpy=copy).items()}
+        model, opt = states or (self.model.state_dict(), self.opt.state_dict())
         if copy: model, opt = cloned(model), cloned(opt)
         return {'model': model, 'opt': opt, 'batch': self._kept.batch, 'rng': rng,
                 'rng_read_at': {name: 'start' if name in kept else 'end' for name in rng},
@@ -282,8 +303,10 @@ class NaNCapture(Callback):
 
     def _resolve(self):
         "Read the pending check's answer; if its step had non-finite gradients, go back to before that step and stop."
-        pending, self._pending = self._pending, None
-        if pending.finite(): return
+        pending = self._pending
+        finite = pending.finite()
+        self._pending = None
+        if finite: return
         self.model.load_state_dict(pending.record['model'])
         self.opt.load_state_dict(pending.record['opt'])
         self._save(pending.record, pending.nonfinite(), note=f" (seen at step {self.train_iter}; the learner is back "
@@ -301,6 +324,8 @@ class NaNCapture(Callback):
         if self._pending is None: return
         try: self._resolve()
         except CancelFitException: pass  # the fit is ending anyway
+
+    cleanup_fit = after_fit  # a fit ended by an error or Ctrl-C: settle before a Checkpoint (order 70) saves the weights
 
 # %% ../nbs/12_nan_capture.ipynb #c026
 @dataclass
@@ -352,12 +377,7 @@ def restore_training_state(learn, model_state, opt_state):
     learn.opt = opt
 
 # %% ../nbs/12_nan_capture.ipynb #c029
-def _tensors(value):
-    if isinstance(value, torch.Tensor): return [value]
-    if isinstance(value, (list, tuple)): return [t for v in value for t in _tensors(v)]
-    return []
-
-def _finite(value): return all(bool(torch.isfinite(t).all()) for t in _tensors(value) if t.is_floating_point())
+def _finite(value): return all(bool(torch.isfinite(t).all()) for t in tensors_in(value) if t.is_floating_point())
 
 def watch_forward(model, found):
     "Hooks appending to `found` the name of each module whose output is non-finite, in the order they run."

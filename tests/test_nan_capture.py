@@ -10,8 +10,9 @@ from torch import nn
 from teachloop.data import digits_cnn, digits_dls
 from teachloop.learner import Callback, CancelFitException, Learner
 from teachloop import nan_capture
-from teachloop.nan_capture import (NaNCapture, grads_are_finite, load_capture, nonfinite_grads, replay_nan,
+from teachloop.nan_capture import (FiniteCheck, NaNCapture, grads_are_finite, load_capture, nonfinite_grads, replay_nan,
                                    rng_states, saveable_rng, set_rng_states)
+from teachloop.checkpoint import Checkpoint
 from teachloop.optimizer import SGD, Adam
 
 
@@ -272,17 +273,53 @@ def test_sync_free_capture_equals_the_waiting_capture_and_restores_the_weights(t
     assert learn.valid_batches.count == waiting.valid_batches.count == 0  # no validation on the broken weights
 
 
-def test_sync_free_needs_one_device_and_dtype(tmp_path):
+class WeightsAfterStep(Callback):
+    "Copy the weights right after the optimizer step of training step `step`, once NaNCapture (order 20) has seen it."
+    order = 25
+    def __init__(self, step): self.step, self.weights = step, None
+    def after_step(self):
+        if self.train_iter == self.step: self.weights = {k: v.clone() for k, v in self.model.state_dict().items()}
+
+
+def test_sync_free_undoes_a_bad_step_on_the_device_before_the_next_step(tmp_path):
+    "The answer may arrive steps later on a GPU: meanwhile no step may run on the weights the bad step broke."
+    seen = WeightsAfterStep(5)
+    _, capture = fit_with_nan_at(tmp_path, 'nan.pt', 5, True, cbs=(seen,))
+    assert same_nested(seen.weights, capture['model'])  # back to the weights before the step, NaN-free
+
+
+class InterruptAfterBatch(Callback):
+    "A Ctrl-C at the end of training step `step`, after every other callback's `after_batch`."
+    order = 80
+    def __init__(self, step): self.step = step
+    def after_batch(self):
+        if self.training and self.train_iter == self.step + 1: raise KeyboardInterrupt()
+
+
+def test_sync_free_settles_a_pending_check_when_the_fit_is_interrupted(tmp_path):
+    waiting, expected = fit_with_nan_at(tmp_path, 'wait.pt', 5, False)
+    with pytest.raises(KeyboardInterrupt):
+        fit_with_nan_at(tmp_path, 'free.pt', 5, True, cbs=(InterruptAfterBatch(5), Checkpoint(tmp_path / 'ck')))
+    capture = load_capture(tmp_path / 'free.pt')
+    assert same_nested(capture['model'], expected['model']) and capture['bad_params'] == expected['bad_params']
+    interrupted = torch.load(tmp_path / 'ck' / 'interrupted.pt', weights_only=True)
+    assert same_nested(interrupted['model'], waiting.model.state_dict())  # the checkpoint keeps the good weights
+
+
+@pytest.mark.parametrize('sync_free', [False, True])
+def test_parameters_of_several_dtypes_are_checked_in_one_go(tmp_path, sync_free):
     class Mixed(nn.Module):
         def __init__(self):
             super().__init__()
-            self.body, self.extra = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), nn.Parameter(torch.zeros(2, dtype=torch.float64))
-        def forward(self, x): return self.body(x)
-    model = Mixed()
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    learn = quiet_learner(digits_dls(bs=32), model, F.cross_entropy, cbs=[NaNCapture(tmp_path / 'nan.pt', sync_free=True)])
-    with pytest.raises(ValueError, match='sync_free'): learn.fit(1)
-    assert same_nested(model.state_dict(), before)
+            self.body, self.extra = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), nn.Parameter(torch.ones(2, dtype=torch.float64))
+        def forward(self, x): return self.body(x) * self.extra.sum().float()
+    torch.manual_seed(0)
+    learn = quiet_learner(digits_dls(bs=32), Mixed(), F.cross_entropy,
+                          cbs=[NaNCapture(tmp_path / 'nan.pt', sync_free=sync_free), NaNGradientAt(3)])
+    learn.fit(1)
+    capture = load_capture(tmp_path / 'nan.pt')
+    assert capture['train_iter'] == 3 and capture['bad_params'] == ['extra'] and capture['weights_finite']  # the float64 one
+    assert isinstance(learn.nan_capture._check, FiniteCheck)
     with pytest.raises(ValueError, match='sync_free'): NaNCapture(tmp_path / 'nan.pt', sync_free='yes')
 
 

@@ -113,7 +113,7 @@ def set_rng_states(states):
     if 'random' in states: random.setstate(states['random'])
     if 'cuda' in states and torch.cuda.is_available(): torch.cuda.set_rng_state_all(states['cuda'])
 
-# %% ../nbs/12_nan_capture.ipynb #c008
+# %% ../nbs/12_nan_capture.ipynb #c011
 class FiniteCheck:
     "Tests gradients (on one device) for NaN and infinity with one multi-tensor kernel."
     def __init__(self, device):
@@ -135,7 +135,7 @@ def nonfinite_grads(named_params):
     "Names of the parameters among `(name, param)` pairs whose gradient holds a NaN or an infinity."
     return [name for name, p in named_params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
 
-# %% ../nbs/12_nan_capture.ipynb #c012
+# %% ../nbs/12_nan_capture.ipynb #c015
 def cloned(value):
     "A copy of `value` (tensors, and the dicts, lists and tuples that hold them) that later in-place changes cannot reach."
     if isinstance(value, torch.Tensor): return value.clone()
@@ -143,10 +143,10 @@ def cloned(value):
     if isinstance(value, (list, tuple)): return type(value)(cloned(v) for v in value)
     return value
 
-class AsyncFiniteCheck:
+class AsyncFiniteCheck(FiniteCheck):
     "A finiteness check of gradients whose answer is copied to the host without waiting; `ready` and `finite` read it."
     def __init__(self, device):
-        self.found, self.one = (torch.full((1,), v, dtype=torch.float32, device=device) for v in (0., 1.))
+        super().__init__(device)
         self.cuda = self.found.is_cuda
         self.host = torch.zeros(1, pin_memory=True) if self.cuda else self.found
         self.event = torch.cuda.Event() if self.cuda else None
@@ -193,7 +193,7 @@ class PendingCheck:
         "Names of the parameters whose copied gradient holds a NaN or an infinity."
         return [n for n, g in zip(self.names, self.grads) if not bool(torch.isfinite(g).all())]
 
-# %% ../nbs/12_nan_capture.ipynb #c013
+# %% ../nbs/12_nan_capture.ipynb #c016
 def check_count(name, value, minimum=1):
     "Raise `ValueError` unless `value` is a whole number >= `minimum` (a count of steps, epochs, files)."
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -327,7 +327,7 @@ class NaNCapture(Callback):
 
     cleanup_fit = after_fit  # a fit ended by an error or Ctrl-C: settle before a Checkpoint (order 70) saves the weights
 
-# %% ../nbs/12_nan_capture.ipynb #c026
+# %% ../nbs/12_nan_capture.ipynb #c029
 @dataclass
 class NaNReport:
     "What a replayed step showed: whether non-finite gradients came back, and where they started."
@@ -350,7 +350,7 @@ class NaNReport:
         if self.source: lines.append(f"created in the forward pass at:\n{self.source}")
         return '\n'.join(lines + self.notes)
 
-# %% ../nbs/12_nan_capture.ipynb #c027
+# %% ../nbs/12_nan_capture.ipynb #c030
 def load_capture(path):
     "Read a file written by `NaNCapture`, with a clear error when it is not one."
     try: capture = torch.load(path, map_location='cpu', weights_only=True)
@@ -376,7 +376,7 @@ def restore_training_state(learn, model_state, opt_state):
     learn.model.load_state_dict(model_state)
     learn.opt = opt
 
-# %% ../nbs/12_nan_capture.ipynb #c029
+# %% ../nbs/12_nan_capture.ipynb #c032
 def _finite(value): return all(bool(torch.isfinite(t).all()) for t in tensors_in(value) if t.is_floating_point())
 
 def watch_forward(model, found):
@@ -405,7 +405,7 @@ def watch_backward(loss, found):
         return hook
     return [node.register_hook(hook_for(node)) for node in graph_nodes(loss.grad_fn)]
 
-# %% ../nbs/12_nan_capture.ipynb #c030
+# %% ../nbs/12_nan_capture.ipynb #c033
 def _source_line(node):
     "The innermost frame of the forward call that created `node` (recorded by anomaly mode)."
     trace = (getattr(node, 'metadata', None) or {}).get('traceback_') or []

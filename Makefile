@@ -21,9 +21,11 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/teachloop-demo
 
-## All tests: pytest (browser tests included), every notebook top to bottom, and the export check.
+## All tests: pytest (browser tests included), the numeric tests again on the CPU's baseline kernels (float32
+## rounding differs with the vector width: users' CPUs are not this one), every notebook top to bottom.
 test: $(STAMP) browser-deps
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
+	ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "numeric and not slow" -p no:cacheprovider
 	OMP_NUM_THREADS=1 $(BIN)/nbdev-test --n-workers $(NB_WORKERS) $(if $(NBDEV_FLAGS),--flags "$(NBDEV_FLAGS)")
 
 ## The quick subset while working: no slow or browser tests, no notebooks.

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 NBDEV_FLAGS ?=
 NB_WORKERS ?= 2
 
-.PHONY: demo test test-quick lab export readme clean-venv browser-deps
+.PHONY: demo test test-quick gpu-check lab export readme clean-venv browser-deps
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,10 @@ test: $(STAMP) browser-deps
 ## The quick subset while working: no slow or browser tests, no notebooks.
 test-quick: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow and not browser"
+
+## On a CUDA machine: the cuda tests, fits with no host sync inside batches, and the GPU benchmarks, in one report.
+gpu-check: $(STAMP)
+	$(BIN)/python bench/gpu_check.py
 
 ## JupyterLab on the course notebooks.
 lab: $(STAMP)

@@ -67,3 +67,11 @@ def test_demo_trains_and_writes_the_picture(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert 'train_loss' in printed and 'accuracy' in printed and str(out) in printed
     assert len(learn.recorder.values) == 2 and learn.recorder.values[-1][3] > 0.5
+
+
+def test_gpu_check_runs_its_fits_on_the_cpu():
+    "`make gpu-check` only runs on a GPU; its fits run here too, so the script cannot rot between GPU runs."
+    done = subprocess.run([sys.executable, str(ROOT / 'bench' / 'gpu_check.py'), '--device', 'cpu'], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert done.stdout.count('PASS') == 5 and 'FAIL' not in done.stdout

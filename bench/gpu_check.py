@@ -1,0 +1,215 @@
+"""Everything teachloop does on a GPU, run once on a CUDA machine, with one report at the end.
+
+1. The `cuda`-marked tests (they skip on machines without a GPU, so this is where they run).
+2. Fits under `torch.cuda.set_sync_debug_mode('error')` inside every training and validation batch: any call that
+   makes the host wait for the GPU (`.item()`, `float(t)`, `.cpu()`, `if tensor:`) raises there. Between batches
+   (epoch ends, display ticks) reading values is allowed, since that is where they are shown.
+   - the default Learner (Adam, Recorder, progress bar, accuracy);
+   - `MixedPrecision` in float16 (loss scaling) and bfloat16;
+   - a background fit with the dashboard (its ticks read values, so ticks run with the check off);
+   - `NaNCapture(check_every=4)` (sync-free checking) on a BatchNorm model, with a NaN injected at step 8 (a checked step): the
+     capture names the step, the file is written and the weights stay finite.
+3. The GPU benchmarks: loop overhead against a hand-written loop, and optimizer steps against torch.optim.
+
+Without a CUDA GPU it says so and exits 0; `--device cpu` runs the fits of (2) on the CPU (no sync check there), so
+the script itself is tested on every machine. The report is printed and written to `artifacts/gpu-check.txt`.
+
+    make gpu-check        (or: python bench/gpu_check.py [--quick] [--device cpu])
+"""
+import argparse
+import contextlib
+import io
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from teachloop.callbacks import MixedPrecision, accuracy  # noqa: E402
+from teachloop.data import digits_cnn, digits_dls  # noqa: E402
+from teachloop.learner import Callback, Learner  # noqa: E402
+
+
+DEVICE = torch.device('cuda')
+
+
+def set_sync_check(mode):
+    "torch's sync debug mode ('error' or 'default'), on CUDA only."
+    if DEVICE.type == 'cuda': torch.cuda.set_sync_debug_mode(mode)
+
+
+class SyncGuard(Callback):
+    "Make every call that waits for the GPU raise inside batches; allow it between them."
+    order = -1000  # first in every event, so the other callbacks' batch handlers run guarded
+    def before_batch(self): set_sync_check('error')
+    def after_train(self): set_sync_check('default')
+    def after_validate(self): set_sync_check('default')
+    def cleanup_fit(self): set_sync_check('default')
+
+
+class Quiet(Callback):
+    "Progress bar and rows off, so the report stays readable (their code still runs)."
+    order = -999
+    def before_fit(self):
+        if hasattr(self.learn, 'progress'): self.learn.progress.show_bar = self.learn.progress.print_rows = False
+
+
+def bn_model():
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(8 * 64, 10))
+
+
+def digits_learner(model=None, cbs=(), **kwargs):
+    learn = Learner(digits_dls(bs=64, seed=0), model or digits_cnn(), F.cross_entropy, lr=3e-3,
+                    metrics=[accuracy], cbs=list(cbs), **kwargs)
+    learn.device.device = DEVICE
+    return learn
+
+
+def last_row(learn):
+    names = learn.recorder.metric_names
+    return ', '.join(f"{n} {v:.4g}" if isinstance(v, float) else f"{n} {v}" for n, v in zip(names, learn.recorder.values[-1]))
+
+
+def guarded(): return 'no host sync inside batches' if DEVICE.type == 'cuda' else 'on the CPU (no sync check)'
+
+
+def check_default_fit():
+    learn = digits_learner(cbs=[SyncGuard(), Quiet()])
+    learn.fit(2)
+    return f"2 epochs, {guarded()}; {last_row(learn)}"
+
+
+def check_mixed_precision(dtype):
+    def run():
+        learn = digits_learner(cbs=[SyncGuard(), Quiet(), MixedPrecision(dtype)])
+        learn.fit(2)
+        return f"2 epochs, {guarded()}; {last_row(learn)}"
+    return run
+
+
+def check_dashboard_background():
+    from teachloop.dashboard import TrainingDashboard
+    class TickUnguarded(TrainingDashboard):
+        def tick(self, *args, **kwargs):
+            guarded = DEVICE.type == 'cuda' and torch.cuda.get_sync_debug_mode() != 0
+            set_sync_check('default')
+            try: return super().tick(*args, **kwargs)
+            finally:
+                if guarded: set_sync_check('error')
+    learn = digits_learner(cbs=[Quiet()])
+    dashboard = TickUnguarded(refresh=0.25)
+    # the sync debug mode is per process: the background thread's batches run guarded by SyncGuard
+    handle = learn.fit(2, cbs=[SyncGuard(), dashboard], background=True)
+    handle.wait(timeout=600)
+    return f"2 epochs in a background thread, {len(learn.recorder.values)} epoch rows; {last_row(learn)}"
+
+
+class NaNGradientAt(Callback):
+    "Make one gradient NaN at training step `at` (written on the device: no host read)."
+    def __init__(self, at): self.at = at
+    def after_backward(self):
+        if self.train_iter == self.at: next(self.learn.model.parameters()).grad.view(-1)[0] = math.nan
+
+
+def check_nan_capture_sync_free():
+    from teachloop.nan_capture import NaNCapture, load_capture
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / 'nan.pt'
+        capture = NaNCapture(path, check_every=4, sync_free=True)  # CUDA's default for check_every > 1
+        learn = digits_learner(bn_model(), cbs=[SyncGuard(), Quiet(), capture, NaNGradientAt(8)])
+        learn.fit(1)
+        saved = load_capture(path)
+        finite = all(bool(torch.isfinite(p).all()) for p in learn.model.parameters())
+        assert saved['train_iter'] == 8, f"captured step {saved['train_iter']}, the NaN was made at step 8"
+        assert finite, "the weights are not finite after the capture"
+        return (f"check_every=4, sync_free, BatchNorm model: NaN at step 8 captured at step {saved['train_iter']}, "
+                f"file written ({path.stat().st_size} bytes), weights finite")
+
+
+CHECKS = [('default fit under sync debug', check_default_fit),
+          ('MixedPrecision(float16) under sync debug', check_mixed_precision(torch.float16)),
+          ('MixedPrecision(bfloat16) under sync debug', check_mixed_precision(torch.bfloat16)),
+          ('dashboard background fit under sync debug', check_dashboard_background),
+          ('NaNCapture sync-free on BatchNorm', check_nan_capture_sync_free)]
+
+
+def run_checks(checks):
+    lines, failed = [], 0
+    for name, check in checks:
+        start = time.perf_counter()
+        try:
+            with contextlib.redirect_stdout(io.StringIO()): result = check()
+            lines.append(f"PASS  {name} ({time.perf_counter() - start:.1f} s): {result}")
+        except Exception as e:
+            failed += 1
+            tb = ''.join(traceback.format_exception(e)[-6:])
+            lines.append(f"FAIL  {name}: {type(e).__name__}: {e}\n{tb}")
+        finally: set_sync_check('default')
+    return lines, failed
+
+
+def run_command(title, args, timeout):
+    start = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, 'PYTHONPATH': str(ROOT)})
+        out, rc = (done.stdout + done.stderr).strip(), done.returncode
+    except subprocess.TimeoutExpired as e:
+        out, rc = f"timed out after {timeout} s\n{(e.stdout or b'').decode()[-2000:]}", 124
+    tail = '\n'.join('    ' + line for line in out.splitlines()[-25:])
+    return f"{'PASS' if rc == 0 else 'FAIL'}  {title} (exit {rc}, {time.perf_counter() - start:.0f} s)\n{tail}", rc != 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument('--quick', action='store_true', help='fewer benchmark rounds')
+    parser.add_argument('--device', default='cuda', choices=['cuda', 'cpu'],
+                        help='cpu: run the fits only, on the CPU, to test this script')
+    parser.add_argument('--out', default=str(ROOT / 'artifacts' / 'gpu-check.txt'))
+    args = parser.parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
+    if DEVICE.type == 'cpu':
+        lines, failed = run_checks(CHECKS)
+        print('\n'.join(lines))
+        return 1 if failed else 0
+    if not torch.cuda.is_available():
+        print(f"gpu-check: no CUDA GPU on this machine (torch {torch.__version__}); nothing to check")
+        return 0
+    props = torch.cuda.get_device_properties(0)
+    report = [f"teachloop gpu-check: {props.name}, {props.total_memory / 2**30:.0f} GiB, compute capability "
+              f"{props.major}.{props.minor}, {torch.cuda.device_count()} GPU(s), torch {torch.__version__}, "
+              f"CUDA {torch.version.cuda}"]
+    line, failed = run_command('cuda-marked tests', ['-m', 'pytest', '-m', 'cuda', '-q', '-p', 'no:cacheprovider',
+                                                     str(ROOT / 'tests')], 900)
+    report.append(line)
+    lines, n_failed = run_checks(CHECKS)
+    report += lines
+    failed += n_failed
+    runs = ['--runs', '3'] if args.quick else []
+    for title, bench_args in [('loop overhead (Learner / hand-written loop)', ['bench/loop_overhead.py', *runs]),
+                              ('optimizer step (teachloop / torch.optim)',
+                               ['bench/optimizer_step.py', *(['--rounds', '3'] if args.quick else [])])]:
+        line, bad = run_command(title, bench_args, 900)
+        report.append(line)
+        failed += bad
+    text = '\n'.join(report) + f"\n{failed} failed\n"
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text)
+    return 1 if failed else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())

@@ -12,6 +12,8 @@ from teachloop.momentum import (SURFACES, EWMAWidget, GradientStreamWidget, Traj
 from teachloop.optimizer import SGD, Adam, RMSProp
 from teachloop.optimizers import Nesterov
 
+pytestmark = pytest.mark.numeric  # trajectories against torch.optim and the math
+
 rng = np.random.default_rng(0)
 
 

@@ -171,7 +171,8 @@ def decay_factors(group, wd):
     "`wd` for the parameters that take weight decay, 0 for the others: a number when they all take it, else a tensor."
     decayed = [s.get('do_wd', True) for s in group.states]
     if all(decayed): return wd
-    return torch.tensor([wd if d else 0. for d in decayed], device=group.params[0].device)
+    # in the parameters' dtype: a float32 `wd` would round 5e-4 by 5e-8 and change float64 steps
+    return torch.tensor([wd if d else 0. for d in decayed], dtype=group.params[0].dtype, device=group.params[0].device)
 
 @multi_tensor_version_of(lamb_step)
 @per_step_count

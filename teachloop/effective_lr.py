@@ -44,8 +44,10 @@ effective_lr_factors = {sgd_step: _constant_lr, momentum_step: _constant_lr, nes
 
 # %% ../nbs/10_effective_lr.ipynb #c006
 def _torch_adam_factor(p, state, group):
-    # `step` is a tensor, on the device for fused or capturable Adam: used as a tensor, it is never read back
-    sqr_debiased = state['exp_avg_sq'] / (1 - group['betas'][1] ** state['step'])
+    # `step` is a tensor, on the device for fused or capturable Adam: used as a tensor, it is never read back. torch
+    # keeps it in float32, so it is raised in the weights' dtype: beta2**step in float32 is off by 1e-7 for float64
+    step = state['step'].to(state['exp_avg_sq'].dtype)
+    sqr_debiased = state['exp_avg_sq'] / (1 - group['betas'][1] ** step)
     return group['lr'] / (sqr_debiased.sqrt() + group['eps'])
 
 torch_effective_lr = {torch.optim.SGD: lambda p, state, group: torch.full_like(p, group['lr']),

@@ -6,6 +6,7 @@ Adam kernel where the callbacks spell out Adam exactly."""
 # %% ../nbs/08_fast_optimizers.ipynb #c002
 from __future__ import annotations
 
+import inspect
 import math
 from functools import partial
 
@@ -22,7 +23,7 @@ __all__ = ['multi_tensor_versions', 'fused_patterns', 'TensorGroup', 'multi_tens
            'momentum_step_multi', 'rms_prop_step_multi', 'step_stat_multi', 'adam_step_multi', 'nesterov_step_multi',
            'qhadam_step_multi', 'radam_step_multi', 'norms', 'decay_factors', 'lamb_step_multi',
            'lars_scale_grad_multi', 'lion_step_multi', 'keep_slow_weights_multi', 'lookahead_step_multi',
-           'callback_key', 'fused_adam_step', 'fused_sgd_step', 'FastStep', 'plan_fast_step']
+           'callback_key', 'fused_adam_step', 'fused_sgd_step', 'callback_switches', 'FastStep', 'plan_fast_step']
 
 # %% ../nbs/08_fast_optimizers.ipynb #c004
 class TensorGroup:
@@ -238,7 +239,8 @@ def fused_adam_step(group, lr, mom, sqr_mom, eps, wd, decoupled=True, **kwargs):
         part = group.subset([i for i, d in enumerate(decayed) if d == use_wd])
         for step, subgroup in part.by_step():
             # filled on the device: a tensor copied from the host would make a CUDA step wait for the GPU
-            counts = [torch.full((), float(step), device=subgroup.params[0].device)] * len(subgroup)
+            # float32 whatever the default dtype: CUDA's fused kernels read the count as a float
+            counts = [torch.full((), float(step), dtype=torch.float32, device=subgroup.params[0].device)] * len(subgroup)
             kernel(subgroup.params, subgroup.grads, subgroup.state_tensors('grad_avg'), subgroup.state_tensors('sqr_avg'),
                    [], counts, lr=lr, beta1=mom, beta2=sqr_mom, weight_decay=wd if use_wd else 0., eps=eps,
                    amsgrad=False, maximize=False)
@@ -259,22 +261,46 @@ fused_patterns = [([callback_key(weight_decay)] + _adam_tail, partial(fused_adam
                   ([callback_key(average_grad), callback_key(nesterov_step)], partial(fused_sgd_step, nesterov=True))]
 
 # %% ../nbs/08_fast_optimizers.ipynb #c016
+def callback_switches(cbs):
+    "The on/off arguments of the callbacks `cbs` (`do_wd`, `dampening`, `clip`, ...): those with a bool default."
+    names = set()
+    for cb in cbs:
+        func, _ = callback_key(cb)
+        names.update(name for name, param in inspect.signature(func).parameters.items()
+                     if isinstance(param.default, bool))
+    return names
+
+def _dense(p):
+    "Whether `p` fills its memory in one of torch's layouts (a fused kernel walks it as flat memory)."
+    return p.is_contiguous() or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last)) \
+        or (p.dim() == 5 and p.is_contiguous(memory_format=torch.channels_last_3d))
+
+def _laid_out_like(p, t):
+    "Whether `t` can be walked element by element alongside `p`: same shape and strides, dense."
+    return t.layout == torch.strided and t.shape == p.shape and t.stride() == p.stride()
+
 class FastStep:
     "A step on whole groups of tensors, made of multi-tensor versions of callbacks and fused kernels."
-    def __init__(self, steps, names):
-        self.steps, self.names = steps, names
+    def __init__(self, steps, names, switches=()):
+        self.steps, self.names, self.switches = steps, names, frozenset(switches)
 
     def __call__(self, params, states, hypers):
         group = TensorGroup(params, states)
         for step in self.steps: step(group, **hypers)
 
-    @staticmethod
-    def applies_to(params):
-        "Whether the multi-tensor operations can take `params`: one device, one floating type, dense gradients."
+    def applies_to(self, params, hypers=(), states=()):
+        "Whether this step does exactly what the callbacks would to `params` with the group's `hypers` and `states`."
+        # The fast versions take switches from `partial` and `do_wd` from the state; a switch set on the group
+        # overrides both for the callbacks, so such a group runs the callbacks.
+        if self.switches.intersection(hypers): return False
         first = params[0]
-        if first.device.type not in ('cpu', 'cuda') or not first.is_floating_point(): return False
-        return all(p.device == first.device and p.dtype == first.dtype and p.grad.layout == torch.strided
-                   for p in params)
+        if first.device.type not in ('cpu', 'cuda') or not first.is_floating_point() or first.is_complex(): return False
+        if not all(p.device == first.device and p.dtype == first.dtype and _dense(p) and _laid_out_like(p, p.grad)
+                   for p in params): return False
+        # fused kernels walk a parameter and its state as flat memory: a model moved to channels_last after its
+        # state was made would pair the wrong elements
+        return all(_laid_out_like(p, v) for p, state in zip(params, states) for v in state.values()
+                   if torch.is_tensor(v) and v.dim() > 0)
 
     def __repr__(self): return f"FastStep([{', '.join(self.names)}])"
 
@@ -295,4 +321,4 @@ def plan_fast_step(cbs):
             names.append(multi_tensor_versions[func].__name__)
         else: names.append(fused.func.__name__)
         steps.append(fused); i += length
-    return FastStep(steps, names)
+    return FastStep(steps, names, callback_switches(cbs))

@@ -13,9 +13,10 @@ from functools import partial
 import torch
 
 # %% auto #0
-__all__ = ['check_hyper', 'add_hyper_rule', 'spread_hyper', 'check_state_dict_fits', 'find_fast_step', 'Optimizer', 'sgd_step',
-           'weight_decay', 'l2_reg', 'average_grad', 'momentum_step', 'average_sqr_grad', 'rms_prop_step', 'step_stat',
-           'debias', 'adam_step', 'SGD', 'RMSProp', 'Adam', 'run_steps']
+__all__ = ['PER_PARAMETER_SETTINGS', 'check_hyper', 'add_hyper_rule', 'spread_hyper', 'check_state_dict_fits', 'find_fast_step',
+           'torch_momentum_name', 'HyperGroup', 'Optimizer', 'sgd_step', 'weight_decay', 'l2_reg', 'average_grad',
+           'momentum_step', 'average_sqr_grad', 'rms_prop_step', 'step_stat', 'debias', 'adam_step', 'SGD', 'RMSProp',
+           'Adam', 'run_steps']
 
 # %% ../nbs/01_optimizer.ipynb #c004
 _hyper_rules = {
@@ -67,12 +68,27 @@ def _callback_name(cb):
     return getattr(cb, '__name__', type(cb).__name__)
 
 def _as_param_groups(params):
-    "Parameter groups as torch expects them, from tensors, lists of tensors or dicts."
+    "Parameter groups as torch expects them, from tensors, lists of tensors or dicts (whose 'params' may be generators)."
+    if isinstance(params, torch.Tensor):  # iterating it would give its rows, which are not parameters
+        raise TypeError(f"params must be an iterable of tensors or dicts, got a single tensor of shape "
+                        f"{tuple(params.shape)}; pass `[tensor]`")
     params = list(params)
     if not params: raise ValueError("the optimizer got no parameters; pass e.g. `model.parameters()` of a model that has some")
-    if isinstance(params[0], dict): return params
+    if isinstance(params[0], dict): return [{**group, 'params': _tensor_list(group['params'])} for group in params]
     if isinstance(params[0], (list, tuple)): return [{'params': list(group)} for group in params]
     return [{'params': params}]
+
+def _tensor_list(params):
+    "A group's parameters as a list: one tensor, or any iterable of them (a generator is read once, here)."
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+def _check_real(groups):
+    for group in groups:
+        for p in group['params']:
+            if torch.is_tensor(p) and p.is_complex():
+                raise TypeError(f"a parameter of shape {tuple(p.shape)} is complex ({p.dtype}); teachloop's callbacks "
+                                "square gradients as real numbers. Train `torch.view_as_real(p)` as a real parameter, "
+                                "or use a torch.optim optimizer")
 
 def _check_no_duplicates(groups):
     seen = set()
@@ -101,12 +117,14 @@ def check_state_dict_fits(opt, state_dict):
 
 # Keys torch.optim.Optimizer adds to `defaults` by itself (on loading a state), not hyper-parameters of ours.
 _TORCH_BOOKKEEPING = {'differentiable', 'foreach', 'fused', 'capturable', 'maximize'}
+# torch's names for momentum, which our groups show beside `mom` (see `HyperGroup`); older states lack them
+_TORCH_NAMES = {'momentum', 'betas'}
 
 def _check_group_fits(i, saved, group, defaults, saved_state):
     if len(saved['params']) != len(group['params']):
         raise ValueError(f"group {i} of the state has {len(saved['params'])} parameters, this optimizer's "
                          f"{len(group['params'])}")
-    missing = sorted(set(defaults) - set(saved) - _TORCH_BOOKKEEPING)
+    missing = sorted(set(defaults) - set(saved) - _TORCH_BOOKKEEPING - _TORCH_NAMES)
     if missing: raise ValueError(f"group {i} of the state lacks hyper-parameters {missing}: another optimizer saved it")
     for index, p in zip(saved['params'], group['params']):
         for name, value in saved_state.get(index, {}).items():
@@ -120,6 +138,36 @@ def find_fast_step(cbs):
     if importlib.util.find_spec('teachloop.fast') is None: return None
     from teachloop.fast import plan_fast_step  # imported late: `teachloop.fast` builds on this module
     return plan_fast_step(cbs)
+
+# %% ../nbs/01_optimizer.ipynb #a02
+PER_PARAMETER_SETTINGS = ('do_wd',)  # state entries that are settings, kept by `clear_state`
+
+def torch_momentum_name(hypers):
+    "torch's name for `mom` in an optimizer with these hyper-parameters: 'betas', 'momentum' or None."
+    if 'mom' not in hypers: return None
+    return 'betas' if 'sqr_mom' in hypers else 'momentum'
+
+class HyperGroup(dict):
+    "A parameter group in which torch's `momentum` or `betas` and our `mom`, `sqr_mom` stay equal, whichever is set."
+    alias = None
+    def link(self, alias):
+        "Show `mom` under torch's name `alias` from now on (None: no alias); returns the group."
+        self.alias = alias
+        if alias: self._mirror()
+        return self
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        if self.alias is None: return
+        if key == 'betas' and self.alias == 'betas':
+            super().__setitem__('mom', value[0]); super().__setitem__('sqr_mom', value[1])
+        elif key == 'momentum' and self.alias == 'momentum': super().__setitem__('mom', value)
+        elif key in ('mom', 'sqr_mom'): self._mirror()
+
+    def _mirror(self):
+        if 'mom' not in self or (self.alias == 'betas' and 'sqr_mom' not in self): return  # still being filled
+        value = (self['mom'], self['sqr_mom']) if self.alias == 'betas' else self['mom']
+        super().__setitem__(self.alias, value)
 
 # %% ../nbs/01_optimizer.ipynb #c016
 class Optimizer(torch.optim.Optimizer):
@@ -139,10 +187,14 @@ class Optimizer(torch.optim.Optimizer):
         for name, value in merged.items(): check_hyper(name, value)
         groups = _as_param_groups(params)
         _check_no_duplicates(groups)
+        _check_real(groups)
         for group in groups:
             for name, value in group.items():
                 if name != 'params': check_hyper(name, value)
-        super().__init__(groups, merged)
+        super().__init__([HyperGroup(group) for group in groups], merged)
+        self.torch_alias = torch_momentum_name(merged)
+        for group in self.param_groups: group.link(self.torch_alias)
+        if self.torch_alias: self.defaults[self.torch_alias] = self.param_groups[0][self.torch_alias]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -153,7 +205,7 @@ class Optimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             hypers = {k: v for k, v in group.items() if k != 'params'}
             params = [p for p in group['params'] if p.grad is not None]
-            fast_step = self.fast_step_for(params) if params else None
+            fast_step = self.fast_step_for(params, hypers) if params else None
             if fast_step is not None: fast_step(params, [self.state[p] for p in params], hypers)
             else:
                 for p in params: self.step_param(p, hypers)
@@ -166,13 +218,14 @@ class Optimizer(torch.optim.Optimizer):
             new_state = cb(p, **{**state, **hypers})
             if new_state: state.update(new_state)
 
-    def fast_step_for(self, params):
-        "The multi-tensor step doing what the callbacks do to `params`, or `None` to run the callbacks."
+    def fast_step_for(self, params, hypers=()):
+        "The multi-tensor step doing what the callbacks do to `params` with `hypers`, or `None` to run the callbacks."
         if self.fast is False: return None
         key = tuple(map(id, self.cbs))
         if self._fast_plan is None or self._fast_plan[0] != key: self._fast_plan = (key, find_fast_step(self.cbs))
         fast_step = self._fast_plan[1]
-        if fast_step is not None and fast_step.applies_to(params): return fast_step
+        if fast_step is not None and fast_step.applies_to(params, hypers, [self.state[p] for p in params]):
+            return fast_step
         if self.fast: raise RuntimeError(f"no multi-tensor step for callbacks [{', '.join(map(_callback_name, self.cbs))}] "
                                          "on these parameters; create the optimizer with `fast=None` or `fast=False`")
         return None
@@ -182,13 +235,15 @@ class Optimizer(torch.optim.Optimizer):
         return {**super().__getstate__(), 'cbs': self.cbs, 'fast': self.fast, '_fast_plan': None}
 
     def clear_state(self):
-        "Forget every parameter's state (moving averages, step counts)."
+        "Forget every parameter's running state (moving averages, step counts); keep settings such as `do_wd`."
+        kept = {p: {k: state[k] for k in PER_PARAMETER_SETTINGS if k in state} for p, state in self.state.items()}
         self.state.clear()
+        self.state.update({p: settings for p, settings in kept.items() if settings})
 
     @property
     def hypers(self):
-        "The hyper-parameters of each group, as a list of dicts."
-        return [{k: v for k, v in group.items() if k != 'params'} for group in self.param_groups]
+        "The hyper-parameters of each group by teachloop's names, as a list of dicts."
+        return [{k: v for k, v in group.items() if k not in ('params', self.torch_alias)} for group in self.param_groups]
 
     def state_dict(self):
         "The state as `torch.optim.Optimizer` saves it, plus the names of the callbacks that made it."
@@ -198,6 +253,7 @@ class Optimizer(torch.optim.Optimizer):
         "Load a saved state after checking it fits this optimizer; a state that does not fit changes nothing."
         check_state_dict_fits(self, state_dict)
         super().load_state_dict({k: v for k, v in state_dict.items() if k != 'callbacks'})
+        self.param_groups[:] = [HyperGroup(group).link(self.torch_alias) for group in self.param_groups]
 
     def set_hyper(self, name, value):
         "Set hyper-parameter `name` to `value`: a number, one value per group, or a `slice` spread across groups."

@@ -148,3 +148,67 @@ def test_momentum_set_to_zero_mid_training(factory, batches):
     assert max_diff(m1, m2) <= 1e-6
     for p, q in zip(m1.parameters(), m2.parameters()):
         assert torch.allclose(o1.state[p]['grad_avg'], o2.state[q]['grad_avg'], atol=1e-7)
+
+
+def small_double_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.Flatten(), torch.nn.Linear(4 * 6 * 6, 3)).double()
+
+
+def run(model, opt, n=6, before_step=None):
+    xb = torch.randn(n, 5, 1, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    for i, x in enumerate(xb):
+        if before_step is not None: before_step(i, model)
+        model(x).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+    return model
+
+
+@pytest.mark.parametrize('factory,switch', [(partial(Adam, lr=0.01, wd=0.5), {'do_wd': False}),
+                                            (partial(SGD, lr=0.01, mom=0.9, wd=0.1), {'do_wd': False}),
+                                            (partial(SGD, lr=0.01, mom=0.9), {'dampening': True}),
+                                            (partial(LARS, lr=0.1, wd=0.01), {'clip': True})])
+def test_group_level_switches_are_honoured_by_the_fast_path(factory, switch):
+    "A switch set on a group (not through partial or the state) changes what the callbacks do; the fast path too."
+    models = [small_double_model() for _ in range(3)]
+    def groups(m): return [{'params': m[0].parameters(), **switch}, {'params': m[2].parameters()}]
+    reference = run(models[0], factory(groups(models[0]), fast=False))
+    fast_opt = factory(groups(models[1]))
+    fast = run(models[1], fast_opt)
+    without = run(models[2], factory([{'params': models[2][0].parameters()}, {'params': models[2][2].parameters()}]))
+    assert max_diff(reference, fast) <= TOL and max_diff(reference, without) > 1e-6
+    params = list(models[1][0].parameters())
+    for p in params: p.grad = torch.zeros_like(p)
+    assert fast_opt.fast_step_for(params, fast_opt.param_groups[0]) is None  # the switched group ran the callbacks
+    assert fast_opt.fast_step_for(params, fast_opt.param_groups[1]) is not None
+
+
+@pytest.mark.parametrize('factory', [partial(Adam, lr=0.01), partial(SGD, lr=0.01, mom=0.9), Lamb])
+def test_a_model_moved_to_channels_last_after_its_state_exists(factory):
+    "Fused kernels walk a parameter and its state as flat memory: a layout change must not pair the wrong elements."
+    def to_channels_last(i, model):
+        if i == 3: model.to(memory_format=torch.channels_last)
+    reference = run(small_double_model(), factory(small_double_model().parameters(), fast=False))
+    ref_model, fast_model = small_double_model(), small_double_model()
+    reference = run(ref_model, factory(ref_model.parameters(), fast=False), before_step=to_channels_last)
+    fast_opt = factory(fast_model.parameters())
+    fast = run(fast_model, fast_opt, before_step=to_channels_last)
+    assert fast_model[0].weight.is_contiguous(memory_format=torch.channels_last)
+    assert max_diff(reference, fast) <= TOL
+
+
+def test_fused_step_counts_are_float32_whatever_the_default_dtype(monkeypatch):
+    "CUDA's fused Adam reads the step count as a float32; a float64 default dtype must not change that."
+    seen = []
+    kernel = torch._fused_adamw_
+    def spy(*args, **kwargs):
+        seen.extend(t.dtype for t in args[5])
+        return kernel(*args, **kwargs)
+    monkeypatch.setattr(torch, '_fused_adamw_', spy)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = torch.nn.Linear(3, 2).float()
+        opt = Adam(model.parameters(), lr=0.1)
+        model(torch.ones(1, 3, dtype=torch.float32)).sum().backward(); opt.step()
+    finally: torch.set_default_dtype(previous)
+    assert seen and set(seen) == {torch.float32}

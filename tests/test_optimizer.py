@@ -126,3 +126,76 @@ def test_slice_spreads_geometrically_either_way():
 @pytest.mark.parametrize('fast', ['yes', 'auto', 2])
 def test_bad_fast_choice_raises(fast):
     with pytest.raises(TypeError, match='fast must be'): Adam(torch.nn.Linear(2, 1).parameters(), lr=1e-3, fast=fast)
+
+
+def double_model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh(), torch.nn.Linear(3, 2)).double()
+
+
+def steps(model, opt, n=5, scheduler=None):
+    data = torch.randn(n, 8, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for xb in data:
+        model(xb).pow(2).mean().backward(); opt.step(); opt.zero_grad()
+        if scheduler is not None: scheduler.step()
+
+
+def weights_diff(a, b): return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_group_dicts_with_generators_train_like_torch():
+    ours, theirs = double_model(), double_model()
+    opt = SGD([{'params': ours[0].parameters(), 'lr': 0.1}, {'params': ours[2].parameters()}], lr=0.05, mom=0.9)
+    ref = torch.optim.SGD([{'params': theirs[0].parameters(), 'lr': 0.1}, {'params': theirs[2].parameters()}],
+                          lr=0.05, momentum=0.9)
+    assert [len(g['params']) for g in opt.param_groups] == [2, 2]
+    steps(ours, opt); steps(theirs, ref)
+    assert weights_diff(ours, theirs) <= TOL and weights_diff(ours, double_model()) > 1e-3
+
+
+def test_a_bare_tensor_is_refused_with_torchs_advice():
+    with pytest.raises(TypeError, match=r'single tensor of shape \(3, 2\).*\[tensor\]'):
+        SGD(torch.nn.Parameter(torch.zeros(3, 2)), lr=0.1)
+    assert len(SGD([torch.nn.Parameter(torch.zeros(3, 2))], lr=0.1).param_groups[0]['params']) == 1
+
+
+def test_complex_parameters_are_refused():
+    with pytest.raises(TypeError, match='complex.*view_as_real'):
+        Adam([torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))], lr=0.1)
+
+
+def test_clear_state_keeps_per_parameter_settings():
+    model = double_model()
+    opt = Adam(model.parameters(), lr=0.1, wd=0.5)
+    bias = model[0].bias
+    opt.state[bias]['do_wd'] = False
+    steps(model, opt, 2)
+    opt.clear_state()
+    assert dict(opt.state[bias]) == {'do_wd': False} and model[0].weight not in opt.state
+    before = bias.detach().clone()
+    bias.grad = torch.zeros_like(bias)
+    opt.step()
+    assert torch.equal(bias, before)  # zero gradient and no decay: Adam leaves it where it was
+
+
+@pytest.mark.parametrize('ours,theirs', [
+    (partial(Adam, sqr_mom=0.999, eps=1e-8, wd=0.01), partial(torch.optim.AdamW, eps=1e-8, weight_decay=0.01)),
+    (partial(SGD, mom=0.9), partial(torch.optim.SGD, momentum=0.9)),
+])
+@pytest.mark.parametrize('fast', [None, False])
+def test_torchs_momentum_cycling_schedulers_drive_our_optimizers(ours, theirs, fast):
+    a, b = double_model(), double_model()
+    opt_a, opt_b = ours(a.parameters(), lr=0.01, fast=fast), theirs(b.parameters(), lr=0.01)
+    sched_a = torch.optim.lr_scheduler.OneCycleLR(opt_a, max_lr=0.05, total_steps=6)  # cycle_momentum=True
+    sched_b = torch.optim.lr_scheduler.OneCycleLR(opt_b, max_lr=0.05, total_steps=6)
+    steps(a, opt_a, 5, sched_a); steps(b, opt_b, 5, sched_b)
+    assert weights_diff(a, b) <= TOL
+    name = 'betas' if 'betas' in opt_b.defaults else 'momentum'
+    assert opt_a.param_groups[0][name] == opt_b.param_groups[0][name]
+    mom = opt_b.param_groups[0][name][0] if name == 'betas' else opt_b.param_groups[0][name]
+    assert opt_a.hypers[0]['mom'] == mom != 0.9 and name not in opt_a.hypers[0]
+    opt_a.set_hyper('mom', 0.5)
+    assert (opt_a.param_groups[0][name][0] if name == 'betas' else opt_a.param_groups[0][name]) == 0.5
+    opt_a.load_state_dict(opt_a.state_dict())
+    opt_a.param_groups[0][name] = (0.7, 0.99) if name == 'betas' else 0.7
+    assert opt_a.hypers[0]['mom'] == 0.7

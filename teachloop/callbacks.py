@@ -16,8 +16,8 @@ from .learner import Callback
 from .optimizer import Optimizer
 
 # %% auto #0
-__all__ = ['default_device', 'to_device', 'DeviceCallback', 'accuracy', 'smooth_values', 'Recorder', 'plot_loss', 'plot_sched',
-           'format_row', 'ProgressCallback', 'MixedPrecision']
+__all__ = ['default_device', 'to_device', 'state_to_params_devices', 'DeviceCallback', 'accuracy', 'smooth_values', 'Recorder',
+           'plot_loss', 'plot_sched', 'format_row', 'ProgressCallback', 'MixedPrecision']
 
 # %% ../nbs/03_callbacks.ipynb #c004
 def default_device():
@@ -31,8 +31,16 @@ def to_device(batch, device, non_blocking=True):
     if isinstance(batch, (list, tuple)): return type(batch)([to_device(b, device, non_blocking) for b in batch])
     return batch
 
+def state_to_params_devices(opt):
+    "Move optimizer state left behind by a model that moved (e.g. loaded on the CPU before the first fit) to its parameters."
+    torch_opt = getattr(opt, 'opt', opt)  # the torch optimizer inside an `OptimWrapper`
+    behind = any(torch.is_tensor(v) and v.dim() > 0 and v.device != p.device
+                 for p, state in torch_opt.state.items() for v in state.values())
+    # torch's own loading puts each state tensor where its optimizer wants it (step counts stay on the CPU unless fused)
+    if behind: torch_opt.load_state_dict(torch_opt.state_dict())
+
 class DeviceCallback(Callback):
-    "Put the model on `device` (default: CUDA when available) and move each batch there."
+    "Put the model on `device` (default: CUDA when available) and move each batch there; the optimizer's state follows."
     order = -20
     def __init__(self, device=None): self.device = torch.device(device) if device is not None else None
     def before_fit(self): self._place_model()
@@ -40,6 +48,7 @@ class DeviceCallback(Callback):
     def _place_model(self):
         if self.device is None: self.device = default_device()
         self.model.to(self.device)
+        if self.learn.opt is not None: state_to_params_devices(self.learn.opt)
     def before_batch(self):
         learn = self.learn
         learn.xb, learn.yb = to_device(learn.xb, self.device), to_device(learn.yb, self.device)
@@ -231,13 +240,23 @@ def _has_grads(opt):
 class MixedPrecision(Callback):
     "Forward pass and loss under `torch.autocast` (`dtype` default: float16 on CUDA, bfloat16 on CPU), with loss scaling for float16."
     order = 10
-    def __init__(self, dtype=None): self.dtype = dtype
+    def __init__(self, dtype=None): self.dtype, self.scaler, self._saved_scaler = dtype, None, None
 
     def before_fit(self):
         self.device_type = next(self.model.parameters()).device.type
         if self.dtype is None: self.dtype = torch.float16 if self.device_type == 'cuda' else torch.bfloat16
         self.scaler = torch.amp.GradScaler(self.device_type) if self.dtype == torch.float16 else None
-        self._autocast = None
+        if self.scaler is not None and self._saved_scaler is not None: self.scaler.load_state_dict(self._saved_scaler)
+        self._saved_scaler, self._autocast = None, None
+
+    def state_dict(self):
+        "The loss scaler's state (scale, growth tracker), so that a resumed fit goes on with the same scale."
+        return {'scaler': self.scaler.state_dict() if self.scaler is not None else self._saved_scaler}
+
+    def load_state_dict(self, state):
+        "Restore the scaler's state now, or at the next fit's start if its scaler does not exist yet."
+        if state['scaler'] is not None and self.scaler is not None: self.scaler.load_state_dict(state['scaler'])
+        else: self._saved_scaler = state['scaler']
 
     def before_batch(self):
         self._unscaled = False

@@ -24,8 +24,8 @@ __all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'CancelBatchException'
            'CancelStepException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
            'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'TrainEvalCallback', 'default_splitter',
            'Learner', 'add_cbs', 'remove_cbs', 'added_cbs', 'InterruptGate', 'callback_list', 'check_fit_args',
-           'create_opt', 'fit', 'save_checkpoint', 'GatherPreds', 'validate', 'get_preds', 'predict', 'atomic_save',
-           'check_state_matches', 'save', 'load', 'EventLog']
+           'create_opt', 'exclusive', 'reserve_for', 'release', 'fit', 'save_checkpoint', 'GatherPreds', 'validate',
+           'get_preds', 'predict', 'atomic_save', 'check_state_matches', 'save', 'load', 'EventLog']
 
 # %% ../nbs/02_learner.ipynb #c004
 class CancelBatchException(Exception):
@@ -368,9 +368,10 @@ def _do_one_batch(self):
     self.loss = self.loss_grad.detach().clone()
     self('after_loss')
     if not self.training: return
-    self._with_events(self.loss_grad.backward, 'backward', CancelBackwardException)
-    self._with_events(self._step, 'step', CancelStepException)
-    self.opt.zero_grad()
+    try:
+        self._with_events(self.loss_grad.backward, 'backward', CancelBackwardException)
+        self._with_events(self._step, 'step', CancelStepException)
+    finally: self.opt.zero_grad()  # also when the batch is cancelled after backward: its gradients must not reach the next step
 
 def _step(self):
     self._interrupts.hold()  # released at the batch's end, in `_all_batches`
@@ -437,6 +438,36 @@ def create_opt(self):
     if self.wd is not None: opt.set_hyper('wd', self.wd)
     self.opt = opt
 
+_owner_lock = threading.Lock()
+
+def _check_owner(self, action):
+    owner = self.__dict__.get('_owner')
+    if owner is not None and owner is not threading.current_thread():
+        raise RuntimeError(f"cannot {action} while this learner trains in another thread (a background fit): "
+                           "`handle.wait()` for it, or `handle.stop().wait()`, first")
+    return owner
+
+@contextmanager
+def exclusive(self, action):
+    "Run the block as `action` (e.g. 'validate'), refusing it if another thread is training this learner."
+    with _owner_lock:
+        claimed = self._check_owner(action) is None
+        if claimed: self._owner = threading.current_thread()
+    try: yield
+    finally:
+        if claimed: self._owner = None
+
+def reserve_for(self, thread):
+    "Let only `thread` fit or evaluate this learner until `release(thread)` (a background fit, before it starts)."
+    with _owner_lock:
+        self._check_owner('start a background fit')
+        self._owner = thread
+
+def release(self, thread):
+    "End `thread`'s reservation."
+    with _owner_lock:
+        if self.__dict__.get('_owner') is thread: self._owner = None
+
 def fit(self,
         n_epoch:int,  # number of passes over the training data
         lr=None,  # learning rate for this fit (number or slice); None keeps the optimizer's
@@ -450,7 +481,9 @@ def fit(self,
     if background:
         from teachloop.dashboard import fit_background  # the dashboard builds on this module: imported when needed
         return fit_background(self, n_epoch, cbs=cbs, lr=lr, wd=wd, reset_opt=reset_opt, resume=resume)
-    cbs = callback_list(cbs)
+    with self.exclusive('fit'): self._fit(n_epoch, lr, wd, callback_list(cbs), reset_opt, resume)
+
+def _fit(self, n_epoch, lr, wd, cbs, reset_opt, resume):
     check_fit_args(n_epoch, lr, wd)
     _check_loaders(self.dls)
     if resume is not None: cbs = cbs + [_resume_callback(self, resume, n_epoch, cbs)]
@@ -478,7 +511,8 @@ def save_checkpoint(self, path):
     from teachloop.checkpoint import save_checkpoint
     return save_checkpoint(self, path)
 
-Learner.create_opt, Learner.fit, Learner._cleanup, Learner.save_checkpoint = create_opt, fit, _cleanup, save_checkpoint
+Learner.create_opt, Learner.fit, Learner._fit, Learner._cleanup, Learner.save_checkpoint = create_opt, fit, _fit, _cleanup, save_checkpoint
+Learner._check_owner, Learner.exclusive, Learner.reserve_for, Learner.release = _check_owner, exclusive, reserve_for, release
 
 # %% ../nbs/02_learner.ipynb #c027
 class GatherPreds(Callback):
@@ -492,22 +526,24 @@ class GatherPreds(Callback):
 def validate(self, dl=None):
     "Loss and metrics on `dl` (default: the validation set), as a list of floats."
     if dl is None and self.dls.valid is None: raise ValueError("there is no validation set: pass `dl`")
-    try: self._do_validate(dl if dl is not None else self.dls.valid)
-    finally: self._cleanup()
+    with self.exclusive('validate'):
+        try: self._do_validate(dl if dl is not None else self.dls.valid)
+        finally: self._cleanup()
     return self.recorder.last_valid
 
 def get_preds(self, dl=None):
     "Predictions and targets over `dl` (default: the validation set), concatenated, on the CPU."
-    with self.added_cbs([GatherPreds()]) as (gather,):
+    with self.exclusive('get_preds'), self.added_cbs([GatherPreds()]) as (gather,):
         try: self._do_validate(dl if dl is not None else self.dls.valid)
         finally: self._cleanup()
     return torch.cat(gather.preds).cpu(), torch.cat(gather.targets).cpu()
 
 def predict(self, x):
     "The model's output for the input batch `x`."
-    self.model.eval()
-    device = next(self.model.parameters()).device
-    with torch.no_grad(): return self.model(x.to(device))
+    with self.exclusive('predict'):
+        self.model.eval()
+        device = next(self.model.parameters()).device
+        with torch.no_grad(): return self.model(x.to(device))
 
 Learner.validate, Learner.get_preds, Learner.predict = validate, get_preds, predict
 
@@ -551,10 +587,11 @@ def load(self, path, with_opt=True):
     if not isinstance(obj, dict) or 'model' not in obj:
         raise ValueError(f"{path!r} was not written by Learner.save (no 'model' entry)")
     check_state_matches(self.model, obj['model'])
-    if with_opt and 'opt' in obj:
-        if self.opt is None: self.create_opt()
-        self.opt.load_state_dict(obj['opt'])
-    self.model.load_state_dict(obj['model'])
+    with self.exclusive('load'):
+        if with_opt and 'opt' in obj:
+            if self.opt is None: self.create_opt()
+            self.opt.load_state_dict(obj['opt'])
+        self.model.load_state_dict(obj['model'])
     return self
 
 Learner.save, Learner.load = save, load

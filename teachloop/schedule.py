@@ -11,6 +11,7 @@ import copy
 import math
 import numbers
 from collections import namedtuple
+import inspect
 from contextlib import contextmanager
 from functools import partial
 
@@ -25,9 +26,9 @@ from .optimizer import check_hyper, spread_hyper
 # %% auto #0
 __all__ = ['SUGGEST_FUNCS', 'annealing_no', 'annealing_linear', 'annealing_cos', 'annealing_exp', 'annealing_poly',
            'schedule_pct', 'Stepper', 'combine_scheds', 'combined_cos', 'preview_values', 'plot_schedules',
-           'check_scheds_fit', 'ParamScheduler', 'one_cycle_scheds', 'fit_one_cycle', 'fit_flat_cos', 'sgdr_epochs',
-           'fit_sgdr', 'LRFinder', 'minimum', 'steep', 'longest_descent', 'valley', 'slide', 'suggest_lrs',
-           'plot_lr_find', 'state_restored', 'lr_find']
+           'hypers_read', 'check_scheds_fit', 'ParamScheduler', 'one_cycle_scheds', 'fit_one_cycle', 'fit_flat_cos',
+           'sgdr_epochs', 'fit_sgdr', 'LRFinder', 'minimum', 'steep', 'longest_descent', 'valley', 'slide',
+           'suggest_lrs', 'plot_lr_find', 'state_restored', 'lr_find']
 
 # %% ../nbs/06_schedule.ipynb #c004
 def annealing_no(start, end, pct):
@@ -117,12 +118,26 @@ def plot_schedules(scheds, n_steps, axs=None):
     return axs
 
 # %% ../nbs/06_schedule.ipynb #c020
+def hypers_read(opt):
+    "The hyper-parameters `opt`'s step reads: those its callbacks name as arguments (a torch optimizer: all of them)."
+    cbs = getattr(opt, 'cbs', None)
+    if cbs is None: return set(opt.hypers[0])
+    names = set()
+    for cb in cbs:
+        while isinstance(cb, partial): cb = cb.func
+        names.update(p.name for p in inspect.signature(cb).parameters.values() if p.kind is not p.VAR_KEYWORD)
+    return names & set(opt.hypers[0])
+
 def check_scheds_fit(opt, scheds):
-    "Raise `ValueError` unless every name in `scheds` is a hyper-parameter of `opt` with one schedule per group if a list."
-    names, n_groups = set(opt.hypers[0]), len(opt.hypers)
+    "Raise `ValueError` unless every name in `scheds` is a hyper-parameter that `opt` reads, one schedule per group if a list."
+    names, n_groups, read = set(opt.hypers[0]), len(opt.hypers), hypers_read(opt)
     for name, sched in scheds.items():
         if name not in names:
             raise ValueError(f"ParamScheduler: the optimizer has no hyper-parameter {name!r}; it has {sorted(names)}")
+        if name not in read:
+            raise ValueError(f"ParamScheduler: no callback of the optimizer reads {name!r} (it reads {sorted(read)}), "
+                             "so scheduling it would change nothing; drop that schedule, or use an optimizer that "
+                             f"uses {name!r} (e.g. SGD with mom > 0 for 'mom')")
         if isinstance(sched, (list, tuple)) and len(sched) != n_groups:
             raise ValueError(f"ParamScheduler: {len(sched)} schedules for {name!r} but the optimizer has {n_groups} "
                              "parameter groups; give one schedule, or one per group")
@@ -216,14 +231,16 @@ def fit_one_cycle(self,
                   background=False,  # run in a background thread and return its handle (see `Learner.fit`)
                  ):
     "Fit with the one-cycle policy: cosine warm-up of the learning rate to `lr_max`, cosine decay; momentum the other way."
+    self._check_owner('fit_one_cycle')
     check_fit_args(n_epoch, None, wd)
     _check_share('pct_start', pct_start)
     _check_divisor('div', div); _check_divisor('div_final', div_final)
     _check_moms(self.moms if moms is None else moms)
     with _opt_created(self) as opt:
-        has_mom = 'mom' in opt.hypers[0]
+        has_mom = 'mom' in hypers_read(opt)  # SGD without momentum has `mom` but no callback reads it
         if moms is not None and not has_mom:
-            raise ValueError(f"moms given, but the optimizer has no 'mom' hyper-parameter (it has {sorted(opt.hypers[0])})")
+            raise ValueError(f"moms given, but no callback of the optimizer reads 'mom' (it reads "
+                             f"{sorted(hypers_read(opt))}): momentum would not change; leave moms out")
         scheds = one_cycle_scheds(_group_lrs(self, lr_max), div, div_final, pct_start,
                                   (self.moms if moms is None else moms) if has_mom else None)
     return _fit_scheduled(self, n_epoch, scheds, wd, cbs, resume, background)
@@ -243,6 +260,7 @@ def fit_flat_cos(self,
     check_fit_args(n_epoch, None, wd)
     _check_share('pct_start', pct_start); _check_divisor('div_final', div_final)
     def lr_sched(top): return combined_cos(pct_start, top, top, top / div_final)
+    self._check_owner('fit_flat_cos')
     with _opt_created(self): lrs = _group_lrs(self, lr)
     return _fit_scheduled(self, n_epoch, {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs, resume, background)
 
@@ -267,6 +285,7 @@ def fit_sgdr(self,
     epochs = sgdr_epochs(n_cycles, cycle_len, cycle_mult)
     check_fit_args(sum(epochs), None, wd)
     def lr_sched(top): return combine_scheds([e / sum(epochs) for e in epochs], [partial(annealing_cos, top, 0.)] * len(epochs))
+    self._check_owner('fit_sgdr')
     with _opt_created(self): lrs = _group_lrs(self, lr_max)
     return _fit_scheduled(self, sum(epochs), {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs, resume, background)
 
@@ -384,6 +403,15 @@ def state_restored(learn):
         _set_rng_states(dls.train, rng)
 
 @contextmanager
+def _history_kept(learn):
+    "The Recorder's history of the last fit is there again after the block (the range test keeps its own)."
+    recorder = next((cb for cb in learn.cbs if cb.name == 'recorder'), None)
+    saved = dict(recorder.__dict__) if recorder is not None else None  # `reset` rebinds, never empties, its lists
+    try: yield
+    finally:
+        if recorder is not None: recorder.__dict__.update(saved)
+
+@contextmanager
 def _rows_hidden(learn):
     progress = getattr(learn, 'progress', None)
     shown = getattr(progress, 'print_rows', False)
@@ -416,7 +444,7 @@ def lr_find(self,
     train = self.dls.train
     n_epoch = math.ceil(num_it / len(train)) if hasattr(train, '__len__') else num_it
     finder = LRFinder(start_lr, end_lr, num_it, stop_div)
-    with state_restored(self), _rows_hidden(self):
+    with self.exclusive('lr_find'), state_restored(self), _rows_hidden(self), _history_kept(self):
         self.dls = DataLoaders(train, None)
         self.fit(n_epoch, cbs=[finder])
     suggestions = suggest_lrs(finder.lrs, finder.smooth_losses, suggest_funcs)

@@ -14,7 +14,7 @@ from torch import nn
 
 from teachloop.callbacks import smooth_values
 from teachloop.data import DataLoaders, digits_cnn, digits_dls, regression_2d
-from teachloop.learner import EventLog, Learner
+from teachloop.learner import Callback, EventLog, Learner
 from teachloop.optimizer import SGD, Adam, Optimizer, sgd_step
 from teachloop.schedule import (LRFinder, ParamScheduler, Stepper, annealing_cos, annealing_exp, annealing_linear,
                                 annealing_no, annealing_poly, combine_scheds, combined_cos, longest_descent, minimum,
@@ -208,7 +208,7 @@ def test_fit_one_cycle_rejects_bad_n_epoch_and_moms_without_momentum():
     with pytest.raises(ValueError, match='n_epoch'): learn.fit_one_cycle(0)
     assert learn.opt is None
     learn = tiny_learner(4, opt_func=lambda params, lr: Optimizer(params, [sgd_step], lr=lr))
-    with pytest.raises(ValueError, match="no 'mom'"): learn.fit_one_cycle(1, moms=(0.9, 0.8, 0.9))
+    with pytest.raises(ValueError, match="reads 'mom'"): learn.fit_one_cycle(1, moms=(0.9, 0.8, 0.9))
     assert learn.recorder.losses == []
     learn.fit_one_cycle(1)  # without `moms`, only the learning rate is scheduled
     assert 'mom' not in learn.recorder.hps and len(learn.recorder.hps['lr']) == 4
@@ -263,13 +263,19 @@ def test_lr_find_restores_model_and_optimizer_exactly():
     learn = digits_learner()
     learn.fit(1, lr=3e-3)
     weights, opt_state = copy.deepcopy(learn.model.state_dict()), copy.deepcopy(learn.opt.state_dict())
-    opt = learn.opt
+    opt, history = learn.opt, (learn.recorder.values, learn.recorder.losses, learn.recorder.lrs)
+    finders = []
+    class KeepFinder(Callback):
+        def before_fit(self): finders.extend(cb for cb in self.learn.cbs if type(cb).__name__ == 'LRFinder')
+    learn.add_cbs([KeepFinder()])
     suggestions = learn.lr_find(num_it=40, show_plot=False)
     assert learn.opt is opt and opt_states_equal(learn.opt.state_dict(), opt_state)
     assert all(torch.equal(v, learn.model.state_dict()[k]) for k, v in weights.items())
     assert learn.opt.hypers[0]['lr'] == 3e-3
     assert suggestions._fields == ('valley', 'minimum', 'steep', 'slide')
-    assert len(learn.recorder.lrs) == 40  # the run did happen
+    assert len(finders[0].lrs) == 40  # the run did happen
+    # and the Recorder still holds the fit before it, not the range test
+    assert (learn.recorder.values, learn.recorder.losses, learn.recorder.lrs) == history and len(history[2]) == 23
 
 
 @pytest.mark.slow
@@ -294,7 +300,7 @@ def test_lr_find_runs_no_validation_and_works_without_validation_set():
                     nn.functional.mse_loss, opt_func=SGD)
     learn.progress.show_bar = False
     learn.lr_find(num_it=20, end_lr=1e-1, show_plot=False)
-    assert len(learn.recorder.lrs) == 20
+    assert learn.recorder.lrs == [] and learn.recorder.values == []  # no fit yet: lr_find leaves no history
 
 
 def test_lr_finder_lrs_and_smoothing_without_stopping():

@@ -582,6 +582,7 @@ def save(self, path, with_opt=True):
 
 def load(self, path, with_opt=True):
     "Load model (and optimizer) state saved by `save`; nothing changes if the file does not fit."
+    self._check_owner('load')
     try: obj = torch.load(path, map_location='cpu', weights_only=True)
     except Exception as e: raise ValueError(f"could not read a saved learner from {path!r}: {e}") from e
     if not isinstance(obj, dict) or 'model' not in obj:

@@ -451,3 +451,109 @@ def test_a_callback_named_like_a_learner_attribute_is_refused():
     renamed.name = 'model_watcher'
     learn.add_cbs([renamed])
     assert learn.model_watcher is renamed and isinstance(learn.model, nn.Module)
+
+
+@pytest.mark.parametrize('event', ['after_backward', 'before_step'])
+def test_a_batch_cancelled_after_backward_leaves_no_gradient(event):
+    "The next step uses its own batch's gradient only, as a hand-written loop that skips the first batch's step does."
+    class CancelFirst(Callback):
+        def __init__(self): self.done = False
+        def cancel(self):
+            if not self.done and self.training: self.done = True; raise CancelBatchException()
+    cancel = CancelFirst()
+    setattr(cancel, event, cancel.cancel)
+    learn = tiny_learner([cancel])
+    start = copy.deepcopy(learn.model)
+    learn.fit(1)
+    reference = copy.deepcopy(start)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    (xb, yb), = learn.dls.train[1:]
+    F.mse_loss(reference(xb), yb).backward(); opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(learn.model.parameters(), reference.parameters()))
+    assert all(p.grad is None or not p.grad.any() for p in learn.model.parameters())
+
+
+def test_calls_from_another_thread_during_a_background_fit_are_refused():
+    import threading
+    started, release = threading.Event(), threading.Event()
+    class Hold(Callback):
+        def before_batch(self):
+            started.set()
+            release.wait(10)
+    learn = tiny_learner()
+    steps = []
+    class Count(Callback):
+        def after_step(self): steps.append(self.train_iter)
+    worker = threading.Thread(target=lambda: learn.fit(2, cbs=[Hold(), Count()]))
+    learn.reserve_for(worker)
+    worker.start()
+    try:
+        assert started.wait(10)
+        for call in (lambda: learn.validate(), lambda: learn.get_preds(), lambda: learn.fit(1),
+                     lambda: learn.predict(torch.zeros(1, 2)), lambda: learn.load('nowhere.pt')):
+            with pytest.raises(RuntimeError, match='another thread.*handle.wait'): call()
+        assert learn.training and learn.model.training  # the running fit's state was not touched
+    finally:
+        release.set()
+        worker.join(10)
+        learn.release(worker)
+    assert len(steps) == 4  # every step of the background fit was taken
+    learn.get_preds()  # and once it is over the learner is free again
+
+
+def test_hypers_no_callback_reads_cannot_be_scheduled():
+    from teachloop.schedule import ParamScheduler, fit_one_cycle  # noqa: F401  (adds Learner.fit_one_cycle)
+    learn = tiny_learner()  # SGD without momentum: `mom` is a hyper-parameter no callback reads
+    with pytest.raises(ValueError, match="no callback of the optimizer reads 'mom'"):
+        learn.fit(1, cbs=[ParamScheduler({'mom': lambda pct: 0.9})])
+    learn = tiny_learner(cbs=[Recorder()])
+    learn.fit_one_cycle(1, 0.1)
+    assert learn.recorder.hps['mom'] == [0., 0.] and len(learn.recorder.hps['lr']) == 2  # not scheduled
+
+
+def test_optimizer_state_left_on_another_device_is_reloaded_where_torch_puts_it(monkeypatch):
+    "On the CPU only the decision can be checked (the move itself is the cuda test below): reload exactly when behind."
+    from teachloop.callbacks import state_to_params_devices
+    model = nn.Linear(2, 1)
+    for opt in (SGD(model.parameters(), lr=0.1, mom=0.9), torch.optim.Adam(model.parameters())):
+        model(torch.ones(1, 2)).sum().backward(); opt.step()
+        reloads = []
+        monkeypatch.setattr(opt, 'load_state_dict', lambda state: reloads.append(state))
+        state_to_params_devices(opt)
+        assert reloads == []  # state and parameters together: nothing to do
+        p = next(iter(opt.state))
+        for key, value in opt.state[p].items():
+            if torch.is_tensor(value) and value.dim(): opt.state[p][key] = value.to('meta')
+        state_to_params_devices(opt)
+        assert len(reloads) == 1 and reloads[0]['state']
+
+
+@pytest.mark.cuda
+def test_a_learner_loaded_before_its_first_fit_trains_on_the_gpu(tmp_path):
+    from teachloop.callbacks import DeviceCallback
+    learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, default_cbs=False, cbs=[DeviceCallback('cuda')])
+    learn.fit(1)
+    learn.save(tmp_path / 'l.pt')
+    again = Learner(digits_dls(), digits_cnn(), F.cross_entropy, default_cbs=False, cbs=[DeviceCallback('cuda')])
+    again.load(tmp_path / 'l.pt')
+    again.fit(1)
+    assert all(v.is_cuda for s in again.opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim())
+
+
+def test_mixed_precision_float16_resumes_with_its_loss_scale(tmp_path):
+    from teachloop.callbacks import MixedPrecision
+    def learner():
+        torch.manual_seed(0)
+        return Learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, lr=1e-3, default_cbs=False,
+                       cbs=[MixedPrecision(torch.float16)])
+    whole = learner()
+    whole.fit(2)
+    first = learner()
+    first.fit(1)
+    first.mixed_precision.scaler.update(new_scale=1024.)  # a scale the fresh scaler (2**16) would not have
+    first.save_checkpoint(tmp_path / 'ck.pt')
+    resumed = learner()
+    resumed.fit(2, resume=tmp_path / 'ck.pt')
+    assert resumed.mixed_precision.scaler.get_scale() <= 1024. * 2
+    saved = torch.load(tmp_path / 'ck.pt', weights_only=False)
+    assert saved['callbacks']['mixed_precision']['scaler']['scale'] == 1024.

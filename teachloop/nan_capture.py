@@ -184,7 +184,7 @@ class PendingCheck:
     @torch.no_grad()
     def undo_if_bad(self):
         "On the device, without waiting: if the check found a non-finite gradient, put back the weights and optimizer state."
-        bad = self.check.found.bool()
+        bad = self.check.found.bool().reshape(())  # 0-d, so that it broadcasts to 0-d state too (BatchNorm's counter)
         for live, saved in self.pairs: live.copy_(torch.where(bad, saved, live))
 
     def ready(self): return self.check.ready()

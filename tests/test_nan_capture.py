@@ -14,6 +14,7 @@ from teachloop.nan_capture import (FiniteCheck, NaNCapture, grads_are_finite, lo
                                    rng_states, saveable_rng, set_rng_states)
 from teachloop.checkpoint import Checkpoint
 from teachloop.optimizer import SGD, Adam
+from teachloop.optimizers import Lamb
 
 
 def per_class_loss(pred, target):
@@ -418,3 +419,17 @@ def test_replay_refuses_files_that_do_not_fit(tmp_path):
     with pytest.raises(ValueError, match='could not read'): replay_nan(other, tmp_path / 'cut.pt')
     with pytest.raises(ValueError, match='check_every'): NaNCapture(tmp_path / 'x.pt', check_every=0)
     with pytest.raises(ValueError, match='rngs'): NaNCapture(tmp_path / 'x.pt', rngs=True)
+
+
+@pytest.mark.parametrize('opt_func', [Adam, Lamb])
+def test_sync_free_handles_0d_state(tmp_path, opt_func):
+    "BatchNorm's step counter and LAMB's trust ratios are 0-d tensors: undoing a bad step must handle them."
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 64, 10))
+    learn = quiet_learner(digits_dls(bs=32), model, F.cross_entropy, opt_func=opt_func,
+                          cbs=[NaNCapture(tmp_path / 'nan.pt', check_every=2, sync_free=True), NaNGradientAt(4)])
+    learn.fit(1)
+    capture = load_capture(tmp_path / 'nan.pt')
+    assert capture['train_iter'] == 4 and capture['weights_finite']
+    assert int(model[1].num_batches_tracked) == 5  # the forward passes of steps 0-4; no step after the bad one ran
+    assert all(bool(torch.isfinite(p).all()) for p in learn.model.parameters())

@@ -146,10 +146,18 @@ class Recorder(Callback):
         self._valid_losses, self._valid_sizes, self._valid_metrics = [], [], []
 
     def after_epoch(self):
+        self.values.append(self._epoch_row())
+        self._start_epoch_row()
+
+    def _epoch_row(self):
         train_loss = self._train_loss.item() if self._train_loss is not None else float('nan')
         valid = self._valid_row or [float('nan')] * (1 + len(self.learn.metrics))
-        self.values.append([self.epoch, train_loss, *valid, time.perf_counter() - self._epoch_start])
-        self._start_epoch_row()
+        return [self.epoch, train_loss, *valid, time.perf_counter() - self._epoch_start]
+
+    def pending_row(self):
+        "The row `after_epoch` is about to add, once the epoch's training and validation are over (else None)."
+        validation_due = self.learn.dls.valid is not None and self._valid_row is None
+        return None if self._train_loss is None or validation_due else self._epoch_row()
 
     @property
     def losses(self):

@@ -15,15 +15,16 @@ from pathlib import Path
 
 import torch
 
-from .learner import Callback, CancelFitException, Learner, atomic_save, check_state_matches
+from .learner import (Callback, CancelFitException, Learner, atomic_save, check_save_folder, check_save_path,
+                               check_state_matches)
 from .nan_capture import (check_count, optimizer_with_state, restore_training_state, rng_states, saveable_rng,
                                    set_rng_states)
 
 # %% auto #0
-__all__ = ['FORMAT', 'loader_generators', 'recorder_state', 'load_recorder_state', 'load_epoch_in_progress', 'checkpoint_state',
-           'save_checkpoint', 'read_checkpoint', 'check_checkpoint_fits', 'restore_checkpoint', 'load_checkpoint',
-           'Resume', 'replace_with_link', 'Checkpoint', 'check_mode', 'TrackerCallback', 'SaveModel', 'EarlyStopping',
-           'ReduceLROnPlateau']
+__all__ = ['FORMAT', 'loader_generators', 'recorder_state', 'load_recorder_state', 'load_epoch_in_progress', 'epoch_rows',
+           'checkpoint_state', 'save_checkpoint', 'read_checkpoint', 'check_checkpoint_fits', 'restore_checkpoint',
+           'load_checkpoint', 'Resume', 'replace_with_link', 'Checkpoint', 'check_mode', 'TrackerCallback', 'SaveModel',
+           'EarlyStopping', 'ReduceLROnPlateau']
 
 # %% ../nbs/13_checkpoint.ipynb #c005
 def loader_generators(dl):
@@ -37,11 +38,11 @@ def loader_generators(dl):
 # %% ../nbs/13_checkpoint.ipynb #c009
 def _cpu_tensor(tensors): return torch.cat([t.detach().cpu().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
 
-def recorder_state(recorder):
+def recorder_state(recorder, values=None):
     "The history of `recorder`: batch losses, those of the epoch in progress, hyper-parameters per batch, rows per epoch."
     return {'losses': _cpu_tensor(recorder._loss_chunks), 'epoch_losses': _cpu_tensor(recorder._epoch_losses),
             'epoch_sizes': list(recorder._epoch_sizes), 'hps': {k: list(v) for k, v in recorder.hps.items()},
-            'values': [list(r) for r in recorder.values]}
+            'values': [list(r) for r in (recorder.values if values is None else values)]}
 
 def load_recorder_state(recorder, state):
     "Give `recorder` the history `recorder_state` saved."
@@ -69,9 +70,18 @@ def _epoch_start(learn, epoch):
         if isinstance(noted, dict) and noted.get('epoch') == epoch: return noted['train']
     return None
 
-def _progress(learn):
+def epoch_rows(learn):
+    "The Recorder's rows as of now: a save at an epoch's end that runs before the Recorder's `after_epoch` gets its row too."
+    rows = [list(r) for r in learn.recorder.values]
     epochs_done, batches_done = divmod(learn.train_iter, len(learn.dls.train))
-    rows_complete = not _has_recorder(learn) or len(learn.recorder.values) == epochs_done
+    if batches_done == 0 and len(rows) == epochs_done - 1:
+        pending = learn.recorder.pending_row()
+        if pending is not None and pending[0] == epochs_done - 1: rows.append(pending)
+    return rows
+
+def _progress(learn, rows):
+    epochs_done, batches_done = divmod(learn.train_iter, len(learn.dls.train))
+    rows_complete = rows is None or len(rows) == epochs_done
     epoch_start = _epoch_start(learn, epochs_done) if batches_done else None
     return {'epochs_done': epochs_done, 'batches_done': batches_done, 'epoch_start': epoch_start,
             'resumable': rows_complete and (batches_done == 0 or epoch_start is not None), 'n_epoch': learn.n_epoch,
@@ -80,14 +90,14 @@ def _progress(learn):
 def checkpoint_state(learn):
     "Everything needed to continue `learn`'s fit exactly: weights, optimizer, callbacks, history, random states, progress."
     if learn.opt is None: learn.create_opt()
-    has_recorder = _has_recorder(learn)
+    rows = epoch_rows(learn) if _has_recorder(learn) else None
     return {'format': FORMAT, 'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(),
             'callbacks': {cb.name: cb.state_dict() for cb in _stateful_callbacks(learn)},
-            'recorder': recorder_state(learn.recorder) if has_recorder else None,
+            'recorder': recorder_state(learn.recorder, rows) if rows is not None else None,
             'rng': saveable_rng(rng_states()),
             'loaders': {name: [g.get_state() for g in loader_generators(getattr(learn.dls, name))]
                         for name in ('train', 'valid') if getattr(learn.dls, name) is not None},
-            'progress': _progress(learn)}
+            'progress': _progress(learn, rows)}
 
 def save_checkpoint(learn, path):
     "Write `checkpoint_state(learn)` to `path` atomically (a temporary file, then a rename); return the path."
@@ -206,7 +216,8 @@ class Checkpoint(Callback):
                 ):
         check_count('every_n_epochs', every_n_epochs)
         if keep is not None: check_count('keep', keep)
-        self.folder, self.every_n_epochs, self.keep = Path(folder), every_n_epochs, keep
+        self.folder = check_save_folder(folder, 'Checkpoint folder')
+        self.every_n_epochs, self.keep = every_n_epochs, keep
         self.epoch_start, self._in_step, self._ended, self._written = None, False, False, []
 
     @property
@@ -278,7 +289,7 @@ class SaveModel(TrackerCallback):
     "Save the model's weights to `path` whenever `monitor` improves."
     def __init__(self, monitor, mode, path, min_delta=0.):
         super().__init__(monitor, mode, min_delta)
-        self.path = Path(path)
+        self.path = check_save_path(path, 'model.pt', 'SaveModel path')
 
     def after_epoch(self):
         super().after_epoch()

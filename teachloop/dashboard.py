@@ -23,7 +23,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import NullLocator
 
 from .effective_lr import UpdateRatio, effective_lr_stats
-from .learner import Callback, CancelFitException, callback_list, check_fit_args
+from .learner import Callback, CancelFitException, callback_list, check_fit_args, check_save_path
 from .optimizer import check_hyper
 
 # %% auto #0
@@ -394,6 +394,7 @@ class TrainingDashboard(SteeringCallback):
                 ):
         if not refresh >= 0: raise ValueError(f"refresh must be a number of seconds >= 0, got {refresh!r}")
         super().__init__(controls)
+        if save_path is not None: save_path = check_save_path(save_path, 'dashboard.png', 'save_path')
         self.refresh, self.max_points, self.save_path, self.buffer_size = refresh, max_points, save_path, buffer_size
         self.live = _in_live_frontend() if live is None else live
         self.plot, self.widget, self.ticks, self.last_status = None, None, 0, ''

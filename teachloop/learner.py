@@ -13,6 +13,7 @@ import tempfile
 import threading
 import warnings
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,7 +26,8 @@ __all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'CancelBatchException'
            'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'TrainEvalCallback', 'default_splitter',
            'Learner', 'add_cbs', 'remove_cbs', 'added_cbs', 'InterruptGate', 'callback_list', 'check_fit_args',
            'create_opt', 'exclusive', 'reserve_for', 'release', 'fit', 'save_checkpoint', 'GatherPreds', 'validate',
-           'get_preds', 'predict', 'atomic_save', 'check_state_matches', 'save', 'load', 'EventLog']
+           'get_preds', 'predict', 'atomic_save', 'check_state_matches', 'save', 'load', 'check_save_path',
+           'check_save_folder', 'EventLog']
 
 # %% ../nbs/02_learner.ipynb #c004
 class CancelBatchException(Exception):
@@ -596,6 +598,40 @@ def load(self, path, with_opt=True):
     return self
 
 Learner.save, Learner.load = save, load
+
+# %% ../nbs/02_learner.ipynb #x01
+def _nearest_existing(path):
+    while not path.exists() and path != path.parent: path = path.parent
+    return path
+
+def _check_writable_below(path, what):
+    "Raise unless the folders up to `path` exist or can be made, and the nearest existing one can be written."
+    existing = _nearest_existing(path.parent if not path.is_dir() else path)
+    if not existing.is_dir():
+        raise ValueError(f"cannot write {what} {str(path)!r}: {str(existing)!r} is a file, not a folder")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write {what} {str(path)!r}: the folder {str(existing)!r} is not writable")
+
+def check_save_path(path, default_name=None, what='file'):
+    "The file to write for `path`, checked now: a folder (existing, or ending in '/') gets `default_name` inside it."
+    try: text = os.fspath(path)
+    except TypeError: raise TypeError(f"{what} must be a path (str or pathlib.Path), got {type(path).__name__}") from None
+    file = Path(text)
+    if file.is_dir() or text.endswith(('/', os.sep)):
+        if default_name is None:
+            raise ValueError(f"{what} {text!r} is a folder; give the name of a file to write")
+        file = file / default_name
+    if file.is_dir(): raise ValueError(f"{what} {str(file)!r} is a folder; give the name of a file to write")
+    _check_writable_below(file, what)
+    return file
+
+def check_save_folder(folder, what='folder'):
+    "The folder to write files into, checked now: it exists or can be made, and can be written."
+    try: folder = Path(os.fspath(folder))
+    except TypeError: raise TypeError(f"{what} must be a path (str or pathlib.Path), got {type(folder).__name__}") from None
+    if folder.exists() and not folder.is_dir(): raise ValueError(f"{what} {str(folder)!r} is a file, not a folder")
+    _check_writable_below(folder / 'file', what)
+    return folder
 
 # %% ../nbs/02_learner.ipynb #c030
 class EventLog(Callback):

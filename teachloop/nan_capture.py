@@ -16,13 +16,14 @@ import numpy as np
 import torch
 
 from .callbacks import to_device
-from .learner import Callback, CancelFitException, atomic_save, check_state_matches
+from .learner import Callback, CancelFitException, atomic_save, check_save_path, check_state_matches
 
 # %% auto #0
 __all__ = ['NumpyRandomState', 'rng_readers', 'rng_states', 'same_state', 'saveable_rng', 'set_rng_states', 'FiniteCheck',
            'grads_are_finite', 'nonfinite_grads', 'cloned', 'AsyncFiniteCheck', 'tensors_in', 'PendingCheck',
-           'check_count', 'KeptStep', 'NaNCapture', 'NaNReport', 'load_capture', 'optimizer_with_state',
-           'restore_training_state', 'watch_forward', 'graph_nodes', 'watch_backward', 'replay_nan']
+           'check_count', 'KeptStep', 'capture_file_name', 'NaNCapture', 'NaNReport', 'load_capture',
+           'optimizer_with_state', 'restore_training_state', 'watch_forward', 'graph_nodes', 'watch_backward',
+           'replay_nan']
 
 # %% ../nbs/12_nan_capture.ipynb #c004
 _has_cuda = torch.cuda.is_available()
@@ -207,11 +208,16 @@ class KeptStep:
     batch: tuple = None
     rng: dict = None
 
+def capture_file_name():
+    "The capture's file name inside a folder: with the process's rank when torch.distributed runs, as each rank writes its own."
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return f"nan-capture-rank{torch.distributed.get_rank()}.pt" if distributed else 'nan-capture.pt'
+
 class NaNCapture(Callback):
     "Before each optimizer step check the gradients; on a NaN or infinity save the step to `path` and stop the fit."
     order, run_valid = 20, False
     def __init__(self,
-                 path,  # file to write the captured step to
+                 path,  # file to write the captured step to, or a folder (the file is then `nan-capture[-rank<r>].pt` in it)
                  check_every=1,  # check every this many training steps (see the trade-off above)
                  rngs='auto',  # which random states to keep at every step: 'auto' or 'every_step' (see above)
                  sync_free=None,  # read each check's answer later instead of waiting for it; None: on a GPU with check_every > 1
@@ -220,6 +226,7 @@ class NaNCapture(Callback):
         if rngs not in ('auto', 'every_step'): raise ValueError(f"rngs must be 'auto' or 'every_step', got {rngs!r}")
         if sync_free is not None and not isinstance(sync_free, bool):
             raise ValueError(f"sync_free must be None, True or False, got {sync_free!r}")
+        path = check_save_path(path, capture_file_name(), 'NaNCapture path')
         self.path, self.check_every, self.rngs, self.sync_free = os.fspath(path), check_every, rngs, sync_free
         self.name, self.captured, self._readers, self._pending = 'nan_capture', None, rng_readers(cached_numpy=True), None
 

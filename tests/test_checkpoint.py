@@ -290,3 +290,44 @@ def test_reduce_lr_on_plateau():
     assert per_epoch == pytest.approx([0.1, 0.1, 0.1, 0.05, 0.05, 0.05])
     assert learn.opt.hypers[0]['lr'] == pytest.approx(0.03)
     with pytest.raises(ValueError, match='factor'): ReduceLROnPlateau('score', 'min', factor=2)
+
+
+@pytest.mark.parametrize('order', [0, 49, 51, 100])
+def test_a_save_at_an_epochs_end_resumes_from_the_next_epoch_whatever_its_order(tmp_path, order):
+    "A user's callback saving in `after_epoch`, before or after the Recorder's row: the same exact resume."
+    class SaveAtEpochEnd(Callback):
+        def after_epoch(self):
+            if self.epoch == 0: self.learn.save_checkpoint(tmp_path / 'end.pt')
+    SaveAtEpochEnd.order = order
+    whole = make_learner()
+    whole.fit(2)
+    first = make_learner(cbs=[SaveAtEpochEnd()])
+    first.fit(1)
+    resumed = make_learner()
+    resumed.fit(2, resume=tmp_path / 'end.pt')
+    assert weights_equal(resumed, whole) and history(resumed)[:2] == history(whole)[:2]
+
+
+def test_paths_are_checked_when_the_callbacks_are_made(tmp_path):
+    from teachloop.dashboard import TrainingDashboard
+    from teachloop.nan_capture import NaNCapture
+    a_file = tmp_path / 'a-file'
+    a_file.write_text('')
+    assert NaNCapture(tmp_path).path == str(tmp_path / 'nan-capture.pt')  # a folder, as the seed's callback takes
+    assert SaveModel('valid_loss', 'min', tmp_path).path == tmp_path / 'model.pt'
+    assert TrainingDashboard(save_path=f'{tmp_path}/figures/').save_path == tmp_path / 'figures' / 'dashboard.png'
+    for make in (lambda: NaNCapture(a_file / 'nan.pt'), lambda: Checkpoint(a_file), lambda: Checkpoint(a_file / 'sub'),
+                 lambda: SaveModel('valid_loss', 'min', a_file / 'best.pt'),
+                 lambda: TrainingDashboard(save_path=a_file / 'dashboard.png')):
+        with pytest.raises(ValueError, match="a-file"): make()
+
+
+def test_a_nan_capture_into_a_folder_is_written_there(tmp_path):
+    from teachloop.nan_capture import NaNCapture, load_capture
+    class NaNAt(Callback):
+        order = 15
+        def after_backward(self):
+            if self.train_iter == 3: next(self.model.parameters()).grad.view(-1)[0] = float('nan')
+    learn = make_learner(cbs=[NaNCapture(tmp_path), NaNAt()])
+    learn.fit(1)
+    assert load_capture(tmp_path / 'nan-capture.pt')['train_iter'] == 3

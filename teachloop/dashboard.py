@@ -74,9 +74,15 @@ class FitControls:
         with self._lock: return dict(self._hypers), self.version
 
     def finish_fit(self):
-        "Clear stop and pause once a fit has ended; requested hyper-parameters stay."
+        "Clear stop, pause and hyper-parameter requests once a fit has ended: a request belongs to its fit."
         self._stop.clear()
         self._running.set()
+        self.clear_requests()
+
+    def clear_requests(self):
+        "Forget the requested hyper-parameter values."
+        with self._lock:
+            if self._hypers: self._hypers, self.version = {}, self.version + 1
 
     def __repr__(self):
         state = 'stop requested' if self.stop_requested else 'paused' if self.paused else 'running'
@@ -96,6 +102,8 @@ class SteeringCallback(Callback):
 
     def before_fit(self):
         self.changes, self.paused_seconds = [], 0.
+        self.controls.clear_requests()  # made between fits (or left by one that ended badly): not this fit's
+        self._held, self._version = {}, self.controls.version
 
     def before_batch(self):
         controls = self.controls

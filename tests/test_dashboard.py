@@ -425,3 +425,27 @@ def test_batches_cancelled_before_their_loss_are_skipped():
     expected = [sum(float(l) * n for l, n in part) / sum(n for _, n in part)
                 for part in (valid_losses[:per_epoch], valid_losses[per_epoch:])]
     assert np.allclose(dashboard.series['valid'].y, expected, rtol=1e-6)
+
+
+def test_a_slider_request_belongs_to_the_fit_it_was_made_in():
+    from teachloop.schedule import fit_one_cycle, lr_find  # noqa: F401  (add the Learner methods)
+    steering = SteeringCallback()
+    class MoveSliderAt(Callback):
+        "The lr slider moved by the user during training step 5 of the fit this callback is part of."
+        order = 60
+        def before_batch(self):
+            if self.training and self.train_iter == 5: steering.controls.set_hyper('lr', 0.123)
+    learn = digits_learner(cbs=[steering])
+    learn.fit_one_cycle(1, 1e-2, cbs=[MoveSliderAt()])
+    lrs = learn.recorder.hps['lr']
+    assert lrs[4] != 0.123 and set(lrs[5:]) == {0.123}  # within its fit the slider wins over the schedule
+    finder_lrs = []
+    class Keep(Callback):
+        def after_batch(self):
+            if self.training: finder_lrs.append(self.opt.hypers[0]['lr'])
+    learn.add_cbs([Keep()])
+    learn.lr_find(num_it=20, show_plot=False)
+    assert len(set(finder_lrs)) == 20 and 0.123 not in finder_lrs  # the range test swept its own learning rates
+    finder_lrs.clear()
+    learn.fit_one_cycle(1, 1e-2)
+    assert finder_lrs[0] == pytest.approx(1e-2 / 25) and len(set(finder_lrs)) > 10  # the schedule, not the old slider

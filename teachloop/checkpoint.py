@@ -187,11 +187,18 @@ class Resume(Callback):
         self._epoch_in_progress = self.state['recorder'] if self.state['progress']['batches_done'] else None
 
     def before_train(self):
-        if self._epoch_in_progress is not None and _has_recorder(self.learn):
-            load_epoch_in_progress(self.recorder, self._epoch_in_progress)
+        if self._epoch_in_progress is not None:
+            if _has_recorder(self.learn): load_epoch_in_progress(self.recorder, self._epoch_in_progress)
+            # Re-drawing the skipped batches may draw from the random generators (a dataset's augmentation): they
+            # are put back as they were at the checkpoint before the first batch after it is drawn.
+            self.learn.after_skipping = self._restore_rng
         self._epoch_in_progress = None
 
-    def after_train(self): self.learn.skip_batches = 0
+    def _restore_rng(self):
+        set_rng_states(self.state['rng'])
+        self.learn.after_skipping = None
+
+    def after_train(self): self.learn.skip_batches, self.learn.after_skipping = 0, None
 
 # %% ../nbs/13_checkpoint.ipynb #c016
 Learner.load_checkpoint = load_checkpoint

@@ -171,6 +171,7 @@ class Learner:
         self.opt, self.dl, self.xb, self.yb, self.pred, self.loss, self.loss_grad = None, None, (), (), None, None, None
         self.n_epoch = self.n_iter = self.epoch = self.iter = self.train_iter = self.start_epoch = self.skip_batches = 0
         self.pct_train, self.training = 0., False
+        self.after_skipping = None  # called once the batches a resumed fit skips are drawn (see checkpoints)
         self.cbs, self._event_tables, self._interrupts = [], ({}, {}), InterruptGate()
         self._events = {}
         self.add_cbs(self._default_callbacks() if default_cbs else [TrainEvalCallback()])
@@ -317,8 +318,10 @@ class InterruptGate:
             self._deliver(*pending)
 
     def _on_interrupt(self, signum, frame):
-        if self.holding: self.pending = (signum, frame)
-        else: self._deliver(signum, frame)
+        if self.holding and self.pending is None: self.pending = (signum, frame)
+        else:  # not held, or a second Ctrl-C: a batch that never ends (a stuck loader) can still be interrupted
+            self.pending = None
+            self._deliver(signum, frame)
 
     def _deliver(self, signum, frame):
         if self.previous is signal.SIG_IGN: return
@@ -385,12 +388,22 @@ def _split_batch(self, batch):
     self.xb, self.yb = tuple(batch[:-1]), (batch[-1],)
 
 def _all_batches(self):
-    for self.iter, batch in enumerate(self.dl):
-        if self.training and self.iter < self.skip_batches: continue  # done before the checkpoint a fit resumes from
-        self.pred = self.loss = self.loss_grad = None  # a batch cancelled before its loss leaves no stale values
-        self._split_batch(batch)
-        try: self._with_events(self._do_one_batch, 'batch', CancelBatchException)
-        finally: self._interrupts.release()  # raises a Ctrl-C held back during the step, now that the batch is whole
+    # A Ctrl-C during a training batch, its drawing from the loader included, waits for the batch's end: what is
+    # saved then (random states too) is exactly what the next batch starts from.
+    if self.training: self._interrupts.hold()
+    try:
+        for self.iter, batch in enumerate(self.dl):
+            if self.training and self.iter < self.skip_batches:  # done before the checkpoint a fit resumes from
+                # drawing them may have used random generators (augmentation): a resume puts them back for the next
+                if self.iter == self.skip_batches - 1 and self.after_skipping is not None: self.after_skipping()
+                continue
+            self.pred = self.loss = self.loss_grad = None  # a batch cancelled before its loss leaves no stale values
+            self._split_batch(batch)
+            try: self._with_events(self._do_one_batch, 'batch', CancelBatchException)
+            finally:
+                self._interrupts.release()  # raises a Ctrl-C held back during the batch, now that it is whole
+                if self.training: self._interrupts.hold()
+    finally: self._interrupts.release()
 
 def _set_phase(self, training, dl):
     self.training, self.dl = training, dl

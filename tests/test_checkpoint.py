@@ -1,6 +1,7 @@
 """Checkpoints: exact resume (weights bit for bit, same losses), refusals that change nothing, atomic files, trackers."""
 import math
 import os
+import signal
 
 import pytest
 import torch
@@ -331,3 +332,40 @@ def test_a_nan_capture_into_a_folder_is_written_there(tmp_path):
     learn = make_learner(cbs=[NaNCapture(tmp_path), NaNAt()])
     learn.fit(1)
     assert load_capture(tmp_path / 'nan-capture.pt')['train_iter'] == 3
+
+
+class Augmented(torch.utils.data.Dataset):
+    "The digits with random noise drawn from torch's global generator as each image is loaded; optionally a Ctrl-C."
+    def __init__(self, x, y): self.x, self.y, self.interrupt_at, self.loaded = x, y, None, 0
+    def __len__(self): return len(self.x)
+    def __getitem__(self, i):
+        self.loaded += 1
+        if self.loaded == self.interrupt_at:
+            os.kill(os.getpid(), signal.SIGINT)  # a real Ctrl-C, arriving while a batch is being drawn
+        return self.x[i] + 0.1 * torch.randn_like(self.x[i]), self.y[i]
+
+
+def augmented_learner():
+    from teachloop.data import DataLoaders, load_digits_tensors
+    x, y = load_digits_tensors()
+    train = torch.utils.data.DataLoader(Augmented(x[:1024], y[:1024]), batch_size=64, shuffle=True,
+                                        generator=torch.Generator().manual_seed(0))
+    valid = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[1024:], y[1024:]), batch_size=256)
+    torch.manual_seed(0)
+    learn = Learner(DataLoaders(train, valid), digits_cnn(), F.cross_entropy, lr=3e-3)
+    learn.progress.show_bar, learn.progress.print_rows = False, False
+    return learn
+
+
+def test_a_ctrl_c_while_an_augmented_batch_is_drawn_resumes_exactly(tmp_path):
+    "Random augmentation from the global generator and a real Ctrl-C during loading: the resumed fit is the same."
+    straight = augmented_learner()
+    straight.fit(2)
+    stopped = augmented_learner()
+    stopped.dls.train.dataset.interrupt_at = 1024 + 64 * 5 + 6  # epoch 2, while its batch 5 (of 16) is drawn
+    with pytest.raises(KeyboardInterrupt): stopped.fit(2, cbs=[Checkpoint(tmp_path)])
+    progress = read_checkpoint(tmp_path / 'interrupted.pt')['progress']
+    assert (progress['epochs_done'], progress['batches_done']) == (1, 6)  # the batch being drawn was trained on first
+    resumed = augmented_learner()
+    resumed.fit(2, resume=tmp_path / 'interrupted.pt')
+    assert weights_equal(straight, resumed) and history(straight) == history(resumed)

@@ -106,13 +106,27 @@ def saveable_rng(states):
     return {**states, 'numpy': _plain(states['numpy'])} if 'numpy' in states else states
 
 def set_rng_states(states):
-    "Put every generator back in the state `rng_states` (or `saveable_rng`) read."
+    "Put every generator back in the state `rng_states` (or `saveable_rng`) read; warn of, and return, what could not be."
     torch.set_rng_state(states['torch'])
     if 'numpy' in states:
         np.random.set_state(_from_plain(states['numpy']))
         _numpy_state.forget()
     if 'random' in states: random.setstate(states['random'])
-    if 'cuda' in states and torch.cuda.is_available(): torch.cuda.set_rng_state_all(states['cuda'])
+    notes = _set_cuda_rng_states(states.get('cuda'))
+    if notes: warnings.warn(f"random states restored only in part: {'; '.join(notes)}; the steps that draw from "
+                            "those generators (dropout on a GPU) will not repeat exactly", stacklevel=2)
+    return notes
+
+def _set_cuda_rng_states(saved):
+    "Restore the GPUs' generators that both machines have; notes on the others."
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not saved:
+        return [f"the states were read without a GPU, and this machine's {n} GPU generator(s) keep their own"] if n else []
+    for device, state in enumerate(saved[:n]): torch.cuda.set_rng_state(state, device)
+    if len(saved) == n: return []
+    return [f"the states were read with {len(saved)} GPU(s) and this machine has {n}: "
+            + (f"GPU(s) {n}..{len(saved) - 1} of the saved states have no device here" if len(saved) > n
+               else f"GPU(s) {len(saved)}..{n - 1} keep their own states")]
 
 # %% ../nbs/12_nan_capture.ipynb #c011
 class FiniteCheck:

@@ -433,3 +433,27 @@ def test_sync_free_handles_0d_state(tmp_path, opt_func):
     assert capture['train_iter'] == 4 and capture['weights_finite']
     assert int(model[1].num_batches_tracked) == 5  # the forward passes of steps 0-4; no step after the bad one ran
     assert all(bool(torch.isfinite(p).all()) for p in learn.model.parameters())
+
+
+@pytest.mark.parametrize('saved,present,restored,note', [
+    (2, 2, [0, 1], None), (2, 1, [0], 'read with 2 GPU'), (1, 2, [0], 'read with 1 GPU'),
+    (0, 1, [], 'read without a GPU'), (1, 0, [], 'read with 1 GPU')])
+def test_random_states_from_a_machine_with_another_number_of_gpus(monkeypatch, saved, present, restored, note):
+    "What fits is restored, the rest is said in a warning (checked on the CPU with the CUDA calls stood in for)."
+    calls = []
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: present > 0)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: present)
+    monkeypatch.setattr(torch.cuda, 'set_rng_state', lambda state, device: calls.append(device))
+    states = {'torch': torch.get_rng_state(), 'cuda': [torch.zeros(16, dtype=torch.uint8)] * saved}
+    if note is None:
+        assert nan_capture.set_rng_states(states) == []
+    else:
+        with pytest.warns(UserWarning, match=note): nan_capture.set_rng_states(states)
+    assert calls == restored
+
+
+@pytest.mark.cuda
+def test_a_cpu_checkpoint_resumes_on_the_gpu_with_a_note(tmp_path):
+    states = nan_capture.rng_states()
+    states.pop('cuda', None)
+    with pytest.warns(UserWarning, match='without a GPU'): nan_capture.set_rng_states(states)

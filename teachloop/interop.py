@@ -11,8 +11,8 @@ import torch
 from .optimizer import _as_param_groups, check_hyper, check_state_dict_fits, spread_hyper
 
 # %% auto #0
-__all__ = ['torch_location', 'read_hyper', 'write_hyper', 'OptimWrapper', 'split_at', 'parameter_groups', 'freeze_to', 'freeze',
-           'unfreeze']
+__all__ = ['NORM_LAYERS', 'torch_location', 'read_hyper', 'write_hyper', 'OptimWrapper', 'split_at', 'norm_params',
+           'norm_and_bias_params', 'parameter_groups', 'freeze_to', 'freeze', 'unfreeze']
 
 # %% ../nbs/09_interop.ipynb #c009
 _plain_names = {'lr': 'lr', 'wd': 'weight_decay', 'eps': 'eps'}
@@ -98,6 +98,18 @@ def split_at(model, *cuts):
     return groups
 
 # %% ../nbs/09_interop.ipynb #c022
+NORM_LAYERS = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm)
+
+def norm_params(model):
+    "The parameters of `model`'s normalisation layers (BatchNorm, InstanceNorm, LayerNorm, GroupNorm, RMSNorm)."
+    return [p for m in model.modules() if isinstance(m, NORM_LAYERS) for p in m.parameters(recurse=False)]
+
+def norm_and_bias_params(model):
+    "The parameters that usually take no weight decay: those of normalisation layers, and every bias."
+    found = {id(p): p for p in norm_params(model)}
+    found.update((id(p), p) for name, p in model.named_parameters() if name.rsplit('.', 1)[-1] == 'bias')
+    return list(found.values())
+
 def parameter_groups(target):
     "The parameter groups of an optimizer or of a learner (its optimizer's, or its splitter's)."
     if hasattr(target, 'param_groups'): return [g['params'] for g in target.param_groups]
@@ -110,7 +122,9 @@ def freeze_to(target, n):
     groups = parameter_groups(target)
     if isinstance(n, bool) or not isinstance(n, int) or not -len(groups) <= n <= len(groups):
         raise ValueError(f"n must be a whole number in [-{len(groups)}, {len(groups)}] for {len(groups)} groups, got {n!r}")
-    frozen = {id(p) for group in groups[:n] for p in group}
+    # a learner with `train_bn` keeps its normalisation layers training: their statistics belong to the new data
+    kept = {id(p) for p in norm_params(target.model)} if getattr(target, 'train_bn', False) else set()
+    frozen = {id(p) for group in groups[:n] for p in group} - kept
     for group in groups:
         for p in group:
             p.requires_grad_(id(p) not in frozen)

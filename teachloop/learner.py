@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .optimizer import Adam, check_hyper
+from .interop import norm_and_bias_params
+from .optimizer import Adam, Optimizer, check_hyper
 
 # %% auto #0
 __all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'CancelBatchException', 'CancelBackwardException',
@@ -163,10 +164,13 @@ class Learner:
                  moms=(0.95, 0.85, 0.95),  # momentum at start, middle and end of `fit_one_cycle`
                  splitter=default_splitter,  # model -> list of parameter lists, one per group
                  default_cbs=True,  # add the standard callbacks (train/eval, device, recorder, progress bar)
+                 wd_bn_bias=True,  # weight decay on normalisation layers and biases too (False: on the other weights only)
+                 train_bn=True,  # keep normalisation layers training when the model is frozen (see `freeze_to`)
                 ):
         self._check_init(dls, model, loss_func, opt_func, lr, metrics)
         self.dls, self.model, self.loss_func, self.opt_func = dls, model, loss_func, opt_func
         self.lr, self.wd, self.moms, self.splitter = lr, wd, moms, splitter
+        self.wd_bn_bias, self.train_bn = wd_bn_bias, train_bn
         self.metrics = list(metrics or [])
         self.opt, self.dl, self.xb, self.yb, self.pred, self.loss, self.loss_grad = None, None, (), (), None, None, None
         self.n_epoch = self.n_iter = self.epoch = self.iter = self.train_iter = self.start_epoch = self.skip_batches = 0
@@ -451,7 +455,16 @@ def create_opt(self):
     opt = self.opt_func(self.splitter(self.model), lr=self.lr if not isinstance(self.lr, (slice, list, tuple)) else 1e-3)
     if isinstance(self.lr, (slice, list, tuple)): opt.set_hyper('lr', self.lr)
     if self.wd is not None: opt.set_hyper('wd', self.wd)
+    if not self.wd_bn_bias: _no_decay(opt, norm_and_bias_params(self.model))
     self.opt = opt
+
+def _no_decay(opt, params):
+    "Switch weight decay off for `params` through the per-parameter `do_wd` state the decay callbacks read."
+    if not isinstance(opt, Optimizer):
+        raise ValueError(f"wd_bn_bias=False needs a teachloop optimizer (its callbacks read a per-parameter `do_wd`), "
+                         f"got {type(opt).__name__}; with a torch optimizer, put the norm and bias parameters in a "
+                         "group of their own with weight_decay=0 (a `splitter`)")
+    for p in params: opt.state[p]['do_wd'] = False
 
 _owner_lock = threading.Lock()
 

@@ -1,5 +1,6 @@
 "Event order, cancellations, callback semantics, errors and host-device syncs of the Learner."
 import copy
+from functools import partial
 import warnings
 
 import pytest
@@ -557,3 +558,56 @@ def test_mixed_precision_float16_resumes_with_its_loss_scale(tmp_path):
     assert resumed.mixed_precision.scaler.get_scale() <= 1024. * 2
     saved = torch.load(tmp_path / 'ck.pt', weights_only=False)
     assert saved['callbacks']['mixed_precision']['scaler']['scale'] == 1024.
+
+
+def bn_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1)).double()
+
+
+def double_dls():
+    x, y = regression_2d(n=24)
+    x, y = x.double(), y.double()
+    return DataLoaders([(x[:8], y[:8]), (x[8:16], y[8:16])], [(x[16:], y[16:])])
+
+
+@pytest.mark.numeric
+def test_wd_bn_bias_false_decays_only_the_other_weights():
+    learn = Learner(double_dls(), bn_model(), F.mse_loss, opt_func=partial(SGD, decouple_wd=False), lr=0.1, wd=0.2,
+                    default_cbs=False, wd_bn_bias=False)
+    learn.fit(2)
+    model = bn_model()
+    no_decay = [model[0].bias, model[1].weight, model[1].bias, model[3].bias]
+    decay = [model[0].weight, model[3].weight]
+    opt = torch.optim.SGD([{'params': decay, 'weight_decay': 0.2}, {'params': no_decay, 'weight_decay': 0.}], lr=0.1)
+    for _ in range(2):
+        model.train()
+        for xb, yb in double_dls().train:
+            F.mse_loss(model(xb), yb).backward(); opt.step(); opt.zero_grad()
+    assert all((a - b).abs().max() <= 1e-12 for a, b in zip(learn.model.parameters(), model.parameters()))
+    decayed_everywhere = Learner(double_dls(), bn_model(), F.mse_loss, opt_func=partial(SGD, decouple_wd=False),
+                                 lr=0.1, wd=0.2, default_cbs=False)
+    decayed_everywhere.fit(2)
+    assert (decayed_everywhere.model[1].weight - learn.model[1].weight).abs().max() > 1e-4
+
+
+def test_wd_bn_bias_false_with_a_torch_optimizer_is_refused_before_training():
+    from teachloop.interop import OptimWrapper
+    learn = Learner(double_dls(), bn_model(), F.mse_loss, opt_func=partial(OptimWrapper, opt=torch.optim.AdamW),
+                    default_cbs=False, wd_bn_bias=False)
+    before = copy.deepcopy(learn.model.state_dict())
+    with pytest.raises(ValueError, match='wd_bn_bias=False.*group of their own'): learn.fit(1)
+    assert all(torch.equal(v, learn.model.state_dict()[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize('train_bn', [True, False])
+def test_train_bn_keeps_normalisation_layers_training_when_frozen(train_bn):
+    from teachloop.interop import freeze, unfreeze
+    learn = Learner(double_dls(), bn_model(), F.mse_loss, default_cbs=False, train_bn=train_bn,
+                    splitter=lambda m: [list(m[:3].parameters()), list(m[3].parameters())])
+    freeze(learn)
+    model = learn.model
+    assert not model[0].weight.requires_grad and model[3].weight.requires_grad
+    assert model[1].weight.requires_grad == model[1].bias.requires_grad == train_bn
+    unfreeze(learn)
+    assert all(p.requires_grad for p in model.parameters())

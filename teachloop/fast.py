@@ -253,6 +253,8 @@ def fused_sgd_step(group, lr, mom, nesterov=False, **kwargs):
     torch._fused_sgd_(group.params, group.grads, group.state_tensors('grad_avg'), weight_decay=0., momentum=mom,
                       lr=lr, dampening=0., nesterov=nesterov, maximize=False, is_first_step=False)
 
+_FUSED_STATE = {fused_adam_step: ('grad_avg', 'sqr_avg'), fused_sgd_step: ('grad_avg',)}
+
 _adam_tail = [callback_key(partial(average_grad, dampening=True)), callback_key(average_sqr_grad),
               callback_key(step_stat), callback_key(adam_step)]
 fused_patterns = [([callback_key(weight_decay)] + _adam_tail, partial(fused_adam_step, decoupled=True)),
@@ -275,14 +277,23 @@ def _dense(p):
     return p.is_contiguous() or (p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last)) \
         or (p.dim() == 5 and p.is_contiguous(memory_format=torch.channels_last_3d))
 
-def _laid_out_like(p, t):
-    "Whether `t` can be walked element by element alongside `p`: same shape and strides, dense."
-    return t.layout == torch.strided and t.shape == p.shape and t.stride() == p.stride()
+def _laid_out_alike(params, states, names):
+    "Whether each parameter is dense, and its gradient and its state tensors `names` have its strides."
+    # A fused kernel walks a parameter, its gradient and its state as flat memory: a model moved to channels_last
+    # after its state was made would pair the wrong elements. This runs at every step, hence one plain loop.
+    for p, state in zip(params, states):
+        strides = p.stride()
+        if p.grad.stride() != strides or not (p.is_contiguous() or _dense(p)): return False
+        for name in names:
+            v = state.get(name)
+            if v is not None and v.stride() != strides: return False
+    return True
 
 class FastStep:
     "A step on whole groups of tensors, made of multi-tensor versions of callbacks and fused kernels."
-    def __init__(self, steps, names, switches=()):
+    def __init__(self, steps, names, switches=(), fused_state=()):
         self.steps, self.names, self.switches = steps, names, frozenset(switches)
+        self.fused_state = tuple(fused_state)  # state its fused kernels walk with the parameters; None: no fused kernel
 
     def __call__(self, params, states, hypers):
         group = TensorGroup(params, states)
@@ -295,12 +306,10 @@ class FastStep:
         if self.switches.intersection(hypers): return False
         first = params[0]
         if first.device.type not in ('cpu', 'cuda') or not first.is_floating_point() or first.is_complex(): return False
-        if not all(p.device == first.device and p.dtype == first.dtype and _dense(p) and _laid_out_like(p, p.grad)
-                   for p in params): return False
-        # fused kernels walk a parameter and its state as flat memory: a model moved to channels_last after its
-        # state was made would pair the wrong elements
-        return all(_laid_out_like(p, v) for p, state in zip(params, states) for v in state.values()
-                   if torch.is_tensor(v) and v.dim() > 0)
+        device, dtype = first.device, first.dtype
+        if not all(p.dtype == dtype and p.device == device and p.grad.layout == torch.strided for p in params): return False
+        # multi-tensor operations pair elements by index whatever the strides; only fused kernels need the same layout
+        return not self.fused_state or _laid_out_alike(params, states, self.fused_state)
 
     def __repr__(self): return f"FastStep([{', '.join(self.names)}])"
 
@@ -321,4 +330,5 @@ def plan_fast_step(cbs):
             names.append(multi_tensor_versions[func].__name__)
         else: names.append(fused.func.__name__)
         steps.append(fused); i += length
-    return FastStep(steps, names, callback_switches(cbs))
+    fused_state = {name for step in steps for name in _FUSED_STATE.get(getattr(step, 'func', None), ())}
+    return FastStep(steps, names, callback_switches(cbs), sorted(fused_state))

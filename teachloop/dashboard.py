@@ -143,7 +143,9 @@ class FitHandle:
             except BaseException as e:
                 self.error = e
                 print(f"background fit failed: {type(e).__name__}: {e} (handle.wait() raises it)", file=sys.stderr)
+            finally: self.learn.release(self._thread)
         self._thread = threading.Thread(target=target, name='teachloop-fit', daemon=True)
+        self.learn.reserve_for(self._thread)  # from now on, calls from other threads are refused, even before it runs
         self._thread.start()
         return self
 

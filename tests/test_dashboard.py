@@ -449,3 +449,16 @@ def test_a_slider_request_belongs_to_the_fit_it_was_made_in():
     finder_lrs.clear()
     learn.fit_one_cycle(1, 1e-2)
     assert finder_lrs[0] == pytest.approx(1e-2 / 25) and len(set(finder_lrs)) > 10  # the schedule, not the old slider
+
+
+def test_a_background_fit_owns_its_learner_from_the_moment_it_is_started():
+    release = threading.Event()
+    class Hold(Callback):
+        def before_fit(self): release.wait(10)
+    learn = digits_learner()
+    handle = learn.fit(1, cbs=[Hold()], background=True)
+    try:
+        with pytest.raises(RuntimeError, match='another thread'): learn.validate()  # refused even before its first batch
+    finally: release.set()
+    handle.wait(60)
+    assert len(learn.validate()) == 1  # free again once it is over: the validation loss

@@ -17,7 +17,7 @@ from .optimizer import Optimizer
 
 # %% auto #0
 __all__ = ['default_device', 'to_device', 'state_to_params_devices', 'DeviceCallback', 'accuracy', 'smooth_values', 'Recorder',
-           'plot_loss', 'plot_sched', 'format_row', 'ProgressCallback', 'MixedPrecision']
+           'plot_loss', 'plot_sched', 'format_row', 'ProgressCallback', 'StepUndo', 'MixedPrecision']
 
 # %% ../nbs/03_callbacks.ipynb #c004
 def default_device():
@@ -245,17 +245,60 @@ from .learner import CancelStepException
 def _has_grads(opt):
     return any(p.grad is not None for group in opt.param_groups for p in group['params'])
 
+class StepUndo:
+    "An optimizer step that is taken back if `found` (a 0-d device tensor) is set, without the host waiting for it."
+    def __init__(self, opt, found):
+        self.opt, self.found = getattr(opt, 'opt', opt), found.reshape(())
+        params = [p for group in self.opt.param_groups for p in group['params'] if p.grad is not None]
+        self.saved = [(p, dict(self.opt.state.get(p, {}))) for p in params]  # the state's keys and host values
+        tensors = params + [v for _, state in self.saved for v in state.values() if torch.is_tensor(v)]
+        on_device = [t for t in tensors if t.device == self.found.device]
+        self.copies = list(zip(on_device, [t.detach().clone() for t in on_device]))
+        self.host_copies = [(t, t.detach().clone()) for t in tensors if t.device != self.found.device]
+        self.cuda = self.found.is_cuda
+        self.flag = torch.zeros((), pin_memory=True) if self.cuda else self.found
+        if self.cuda:
+            self.flag.copy_(self.found, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(self.found.device))
+
+    @torch.no_grad()
+    def undo_on_device(self):
+        "Queued right after the step: where `found` is set, each device tensor gets its value from before the step."
+        bad = self.found.bool()
+        for live, saved in self.copies: live.copy_(torch.where(bad, saved, live))
+
+    def settle(self):
+        "Read `found` (waiting only if it is not on the host yet); if it was set, put the host-side state back too."
+        if self.cuda and not self.event.query(): self.event.synchronize()
+        bad = bool(self.flag)
+        if bad:
+            for live, saved in self.host_copies: live.copy_(saved)
+            for p, state in self.saved:  # step counts, and state the bad step created
+                if not state: self.opt.state.pop(p, None)
+                else:
+                    self.opt.state[p].clear()
+                    self.opt.state[p].update(state)
+        return bad
+
 class MixedPrecision(Callback):
     "Forward pass and loss under `torch.autocast` (`dtype` default: float16 on CUDA, bfloat16 on CPU), with loss scaling for float16."
     order = 10
-    def __init__(self, dtype=None): self.dtype, self.scaler, self._saved_scaler = dtype, None, None
+    def __init__(self,
+                 dtype=None,  # torch.float16 or torch.bfloat16; None: float16 on CUDA, bfloat16 on the CPU
+                 sync_free=None,  # take a step with an inf back on the device, read later; None: on CUDA
+                ):
+        if sync_free not in (None, True, False): raise ValueError(f"sync_free must be None, True or False, got {sync_free!r}")
+        self.dtype, self.sync_free, self.scaler, self._saved_scaler = dtype, sync_free, None, None
+        self.skipped, self._undo, self._pending = 0, None, None
 
     def before_fit(self):
         self.device_type = next(self.model.parameters()).device.type
         if self.dtype is None: self.dtype = torch.float16 if self.device_type == 'cuda' else torch.bfloat16
         self.scaler = torch.amp.GradScaler(self.device_type) if self.dtype == torch.float16 else None
         if self.scaler is not None and self._saved_scaler is not None: self.scaler.load_state_dict(self._saved_scaler)
-        self._saved_scaler, self._autocast = None, None
+        self._saved_scaler, self._autocast, self.skipped, self._undo, self._pending = None, None, 0, None, None
+        self._deferred = self.sync_free if self.sync_free is not None else self.device_type == 'cuda' 
 
     def state_dict(self):
         "The loss scaler's state (scale, growth tracker), so that a resumed fit goes on with the same scale."
@@ -283,15 +326,32 @@ class MixedPrecision(Callback):
 
     def before_step(self):
         if not self._unscaled: return
-        found_inf = sum(v.item() for v in self.scaler._found_inf_per_device(self.opt).values())
-        if found_inf: raise CancelStepException()
+        found = sum(self.scaler._found_inf_per_device(self.opt).values())
+        if not self._deferred:
+            if found.item(): self.skipped += 1; raise CancelStepException()
+            return
+        self._settle()  # the last step's answer, on the host by now (it waits only if the GPU is a whole step behind)
+        self._undo = StepUndo(self.opt, found)
+
+    def after_step(self):
+        if self._undo is None: return
+        self._undo.undo_on_device()
+        self._undo, self._pending = None, self._undo
+
+    def after_train(self): self._settle()  # before anything saves the optimizer's state at the epoch's end
+
+    def _settle(self):
+        if self._pending is not None and self._pending.settle(): self.skipped += 1
+        self._pending = None
 
     def after_batch(self):
         self._leave_autocast()
         # Update the scale once per unscaled batch, here, so that a batch cancelled after its backward updates it too.
         if self._unscaled: self.scaler.update()
         self._unscaled = False
-    def cleanup_fit(self): self._leave_autocast()
+    def cleanup_fit(self):
+        self._leave_autocast()
+        self._settle()
 
     def _leave_autocast(self):
         if self._autocast is not None: self._autocast.__exit__(None, None, None)

@@ -13,7 +13,7 @@ from teachloop.data import DataLoaders, digits_cnn, digits_dls, regression_2d
 from teachloop.learner import (EVENTS, CancelBackwardException, CancelBatchException, CancelEpochException,
                                CancelFitException, CancelStepException, CancelTrainException, CancelValidException,
                                Callback, EventLog, Learner)
-from teachloop.optimizer import SGD
+from teachloop.optimizer import SGD, Adam
 
 TRAIN_BATCH = ['before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step',
                'after_step', 'after_batch']
@@ -611,3 +611,27 @@ def test_train_bn_keeps_normalisation_layers_training_when_frozen(train_bn):
     assert model[1].weight.requires_grad == model[1].bias.requires_grad == train_bn
     unfreeze(learn)
     assert all(p.requires_grad for p in model.parameters())
+
+
+@pytest.mark.parametrize('opt_func', [Adam, partial(SGD, mom=0.9)])
+def test_mixed_precision_takes_a_bad_step_back_without_waiting_exactly_as_skipping_it(opt_func):
+    "sync_free (CUDA's default) steps, then takes the step back on the device and fixes step counts a step later."
+    from teachloop.callbacks import MixedPrecision
+    class InfGradientAt(Callback):
+        order = 5
+        def after_backward(self):
+            if self.train_iter in (0, 2, 3): next(self.model.parameters()).grad.view(-1)[0] = float('inf')
+    def fit(sync_free):
+        torch.manual_seed(0)
+        learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, opt_func=opt_func, lr=3e-3, default_cbs=False,
+                        cbs=[MixedPrecision(torch.float16, sync_free=sync_free), InfGradientAt()])
+        learn.fit(1)
+        return learn
+    waiting, deferred = fit(False), fit(True)
+    assert waiting.mixed_precision.skipped == deferred.mixed_precision.skipped == 3
+    assert all(torch.equal(a, b) for a, b in zip(waiting.model.parameters(), deferred.model.parameters()))
+    sa, sb = waiting.opt.state_dict()['state'], deferred.opt.state_dict()['state']
+    assert sa.keys() == sb.keys() and all(
+        torch.equal(torch.as_tensor(sa[k][n]), torch.as_tensor(sb[k][n])) for k in sa for n in sa[k])
+    assert waiting.mixed_precision.scaler.get_scale() == deferred.mixed_precision.scaler.get_scale() == 2. ** 13
+    with pytest.raises(ValueError, match='sync_free'): MixedPrecision(sync_free='yes')

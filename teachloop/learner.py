@@ -284,14 +284,24 @@ def _handler_owner(handler):
     owner = getattr(handler, '__self__', None)
     return type(owner).__name__ if owner is not None else getattr(handler, '__qualname__', repr(handler))
 
+def _cancelled_too_late(exc, event):
+    "The error for a `Cancel` exception raised when the part it would cancel is already over."
+    part = event.rsplit('_', 1)[-1]
+    return RuntimeError(f"{type(exc).__name__} raised in `{event}`: the {part} it would cancel is already over. "
+                        f"Raise it in an earlier event of the {part}, or cancel the part around it "
+                        "(e.g. CancelBatchException in `after_step`, CancelEpochException in `after_train`)")
+
 def _with_events(self, body, name, cancel_exception):
     "Fire `before_<name>`, run `body`; on `cancel_exception` fire `after_cancel_<name>`; then fire `after_<name>`."
     try:
         self(f'before_{name}')
         body()
     except cancel_exception:
-        self(f'after_cancel_{name}')
-    self(f'after_{name}')
+        try: self(f'after_cancel_{name}')
+        except cancel_exception as e: raise _cancelled_too_late(e, f'after_cancel_{name}') from None
+    # Raised after its part, nothing would catch it: it would end the whole fit as a bare exception with no message.
+    try: self(f'after_{name}')
+    except cancel_exception as e: raise _cancelled_too_late(e, f'after_{name}') from None
 
 Learner.__call__, Learner._with_events = _fire, _with_events
 

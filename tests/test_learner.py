@@ -635,3 +635,17 @@ def test_mixed_precision_takes_a_bad_step_back_without_waiting_exactly_as_skippi
         torch.equal(torch.as_tensor(sa[k][n]), torch.as_tensor(sb[k][n])) for k in sa for n in sa[k])
     assert waiting.mixed_precision.scaler.get_scale() == deferred.mixed_precision.scaler.get_scale() == 2. ** 13
     with pytest.raises(ValueError, match='sync_free'): MixedPrecision(sync_free='yes')
+
+
+@pytest.mark.parametrize('event, exc', [('after_backward', CancelBackwardException), ('after_step', CancelStepException),
+                                        ('after_cancel_step', CancelStepException), ('after_batch', CancelBatchException),
+                                        ('after_train', CancelTrainException), ('after_epoch', CancelEpochException)])
+def test_a_cancel_raised_after_its_part_is_an_error_naming_the_event(event, exc):
+    "The part is over, so there is nothing to cancel: not a bare exception that silently ends the fit."
+    cbs = [Raise(event, exc, training=event != 'after_epoch', iter=0 if event == 'after_epoch' else 1)]
+    if event == 'after_cancel_step':
+        cbs.append(Raise('before_step', CancelStepException, iter=1))
+        cbs[-1].name = 'cancel_the_step'
+    learn = tiny_learner(cbs)
+    with pytest.raises(RuntimeError, match=f"{exc.__name__} raised in `{event}`.*already over"): learn.fit(1)
+    assert not learn.model.training and all(p.grad is None or not p.grad.any() for p in learn.model.parameters())

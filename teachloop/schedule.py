@@ -439,7 +439,7 @@ def lr_find(self,
             show_plot=True,  # plot loss against learning rate, with the suggestions
             suggest_funcs=SUGGEST_FUNCS,  # functions f(lrs, losses) -> suggested learning rate
            ):
-    "Find a good learning rate with a range test; the model and optimizer are restored afterwards. Returns the suggestions."
+    "Find a good learning rate with a range test, kept in `learn.lr_range_test`; the learner is restored. Returns the suggestions."
     _check_lr_find_args(start_lr, end_lr, num_it, suggest_funcs)
     train = self.dls.train
     n_epoch = math.ceil(num_it / len(train)) if hasattr(train, '__len__') else num_it
@@ -447,6 +447,7 @@ def lr_find(self,
     with self.exclusive('lr_find'), state_restored(self), _rows_hidden(self), _history_kept(self):
         self.dls = DataLoaders(train, None)
         self.fit(n_epoch, cbs=[finder])
+    self.lr_range_test = finder  # the Recorder keeps the last real fit, so the search's own values are kept here
     suggestions = suggest_lrs(finder.lrs, finder.smooth_losses, suggest_funcs)
     if show_plot: plot_lr_find(finder.lrs, finder.smooth_losses, suggestions)
     return suggestions

@@ -14,7 +14,7 @@ from torch import nn
 
 from teachloop.callbacks import smooth_values
 from teachloop.data import DataLoaders, digits_cnn, digits_dls, regression_2d
-from teachloop.learner import Callback, EventLog, Learner
+from teachloop.learner import EventLog, Learner
 from teachloop.optimizer import SGD, Adam, Optimizer, sgd_step
 from teachloop.schedule import (LRFinder, ParamScheduler, Stepper, annealing_cos, annealing_exp, annealing_linear,
                                 annealing_no, annealing_poly, combine_scheds, combined_cos, longest_descent, minimum,
@@ -264,16 +264,15 @@ def test_lr_find_restores_model_and_optimizer_exactly():
     learn.fit(1, lr=3e-3)
     weights, opt_state = copy.deepcopy(learn.model.state_dict()), copy.deepcopy(learn.opt.state_dict())
     opt, history = learn.opt, (learn.recorder.values, learn.recorder.losses, learn.recorder.lrs)
-    finders = []
-    class KeepFinder(Callback):
-        def before_fit(self): finders.extend(cb for cb in self.learn.cbs if type(cb).__name__ == 'LRFinder')
-    learn.add_cbs([KeepFinder()])
     suggestions = learn.lr_find(num_it=40, show_plot=False)
     assert learn.opt is opt and opt_states_equal(learn.opt.state_dict(), opt_state)
     assert all(torch.equal(v, learn.model.state_dict()[k]) for k, v in weights.items())
     assert learn.opt.hypers[0]['lr'] == 3e-3
     assert suggestions._fields == ('valley', 'minimum', 'steep', 'slide')
-    assert len(finders[0].lrs) == 40  # the run did happen
+    finder = learn.lr_range_test  # the run did happen, and its values are kept beside the history
+    assert len(finder.lrs) == len(finder.losses) == len(finder.smooth_losses) == 40
+    assert finder.lrs == pytest.approx([1e-7 * 1e8 ** (i / 39) for i in range(40)])
+    assert finder.smooth_losses == pytest.approx(smooth_values(finder.losses))
     # and the Recorder still holds the fit before it, not the range test
     assert (learn.recorder.values, learn.recorder.losses, learn.recorder.lrs) == history and len(history[2]) == 23
 

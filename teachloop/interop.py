@@ -119,6 +119,7 @@ def parameter_groups(target):
 
 def freeze_to(target, n):
     "Train only the parameter groups from index `n` on; the groups before it get `requires_grad=False`."
+    if hasattr(target, '_check_owner'): target._check_owner('freeze or unfreeze')  # a learner training in another thread
     groups = parameter_groups(target)
     if isinstance(n, bool) or not isinstance(n, int) or not -len(groups) <= n <= len(groups):
         raise ValueError(f"n must be a whole number in [-{len(groups)}, {len(groups)}] for {len(groups)} groups, got {n!r}")

@@ -240,6 +240,7 @@ def _handlers(cbs, event, phase_flag):
 
 def add_cbs(self, cbs):
     "Add callbacks (checked, sorted by `order`, ties in the order added); return them."
+    self._check_owner('add callbacks')
     cbs = list(cbs)
     for i, cb in enumerate(cbs): _check_new_callback(self, self.cbs + cbs[:i], cb)
     for cb in cbs:
@@ -250,6 +251,7 @@ def add_cbs(self, cbs):
 
 def remove_cbs(self, cbs):
     "Remove callbacks from the learner."
+    self._check_owner('remove callbacks')
     for cb in list(cbs):
         self.cbs = [c for c in self.cbs if c is not cb]
         object.__setattr__(cb, 'learn', None)
@@ -462,6 +464,7 @@ def check_fit_args(n_epoch, lr, wd):
 
 def create_opt(self):
     "Create the optimizer from `opt_func` with the splitter's parameter groups and the learner's `lr` and `wd`."
+    self._check_owner('create an optimizer')
     opt = self.opt_func(self.splitter(self.model), lr=self.lr if not isinstance(self.lr, (slice, list, tuple)) else 1e-3)
     if isinstance(self.lr, (slice, list, tuple)): opt.set_hyper('lr', self.lr)
     if self.wd is not None: opt.set_hyper('wd', self.wd)

@@ -195,3 +195,29 @@ def test_deepcopy_and_pickle_keep_the_algorithm(factory):
     assert max_diff(model, twin_model) == 0
     unpickled = pickle.loads(pickle.dumps(opt))
     assert unpickled.state_dict()['callbacks'] == opt.state_dict()['callbacks'] and unpickled.fast is None
+
+
+def test_freeze_is_refused_while_the_learner_trains_in_another_thread():
+    import threading
+    from teachloop.learner import Callback
+    started, release = threading.Event(), threading.Event()
+    class Hold(Callback):
+        def before_batch(self):
+            started.set()
+            release.wait(10)
+    learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, default_cbs=False, splitter=lambda m: split_at(m, 1, -1))
+    worker = threading.Thread(target=lambda: learn.fit(1, cbs=[Hold()]))
+    learn.reserve_for(worker)
+    worker.start()
+    try:
+        assert started.wait(10)
+        for call in (freeze, unfreeze, lambda learn: freeze_to(learn, 1)):
+            with pytest.raises(RuntimeError, match='freeze or unfreeze while this learner trains in another thread'):
+                call(learn)
+        assert all(p.requires_grad for p in learn.model.parameters())
+    finally:
+        release.set()
+        worker.join(10)
+        learn.release(worker)
+    freeze(learn)  # once the fit is over, the learner is free again
+    assert not next(learn.model.parameters()).requires_grad

@@ -490,10 +490,16 @@ def test_calls_from_another_thread_during_a_background_fit_are_refused():
     worker.start()
     try:
         assert started.wait(10)
+        from teachloop.schedule import lr_find, fit_one_cycle  # noqa: F401  (add the Learner methods)
+        opt, cbs = learn.opt, list(learn.cbs)
         for call in (lambda: learn.validate(), lambda: learn.get_preds(), lambda: learn.fit(1),
-                     lambda: learn.predict(torch.zeros(1, 2)), lambda: learn.load('nowhere.pt')):
+                     lambda: learn.predict(torch.zeros(1, 2)), lambda: learn.load('nowhere.pt'),
+                     lambda: learn.lr_find(num_it=2, show_plot=False), lambda: learn.fit_one_cycle(1),
+                     lambda: learn.create_opt(), lambda: learn.add_cbs([EventLog()]),
+                     lambda: learn.remove_cbs(learn.cbs[-1:])):
             with pytest.raises(RuntimeError, match='another thread.*handle.wait'): call()
         assert learn.training and learn.model.training  # the running fit's state was not touched
+        assert learn.opt is opt and learn.cbs == cbs
     finally:
         release.set()
         worker.join(10)

@@ -6,9 +6,11 @@ the bare loop is one of these."""
 # %% ../nbs/03_callbacks.ipynb #c002
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from collections import defaultdict
+from functools import partial
 
 import torch
 
@@ -16,8 +18,8 @@ from .learner import Callback
 from .optimizer import Optimizer
 
 # %% auto #0
-__all__ = ['default_device', 'to_device', 'state_to_params_devices', 'DeviceCallback', 'accuracy', 'smooth_values', 'Recorder',
-           'plot_loss', 'plot_sched', 'format_row', 'ProgressCallback', 'StepUndo', 'MixedPrecision']
+__all__ = ['default_device', 'to_device', 'state_to_params_devices', 'DeviceCallback', 'accuracy', 'smooth_values', 'hypers_read',
+           'Recorder', 'plot_loss', 'plot_sched', 'format_row', 'ProgressCallback', 'StepUndo', 'MixedPrecision']
 
 # %% ../nbs/03_callbacks.ipynb #c004
 def default_device():
@@ -82,11 +84,21 @@ def _hyper_values(opt):
     group = opt.hypers[-1] if hasattr(opt, 'hypers') else opt.param_groups[-1]
     return {k: v for k, v in group.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
+def hypers_read(opt):
+    "The hyper-parameters `opt`'s step reads: those its callbacks name as arguments (a torch optimizer: all of them)."
+    cbs = getattr(opt, 'cbs', None)
+    if cbs is None: return set(opt.hypers[0])
+    names = set()
+    for cb in cbs:
+        while isinstance(cb, partial): cb = cb.func
+        names.update(p.name for p in inspect.signature(cb).parameters.values() if p.kind is not p.VAR_KEYWORD)
+    return names & set(opt.hypers[0])
+
 def _hyper_reader(opt):
-    "A function returning the last group's hyper-parameters by teachloop's names, as cheaply as the optimizer allows."
+    "A function returning the last group's hyper-parameters that `opt` reads, by teachloop's names, as cheaply as it allows."
     if isinstance(opt, Optimizer):  # its groups use teachloop's names already: read the dict itself
-        group = opt.param_groups[-1]
-        names = list(_hyper_values(opt))
+        group, read = opt.param_groups[-1], hypers_read(opt)
+        names = [k for k in _hyper_values(opt) if k in read]
         return lambda: {k: group[k] for k in names}
     return lambda: _hyper_values(opt)
 

@@ -18,7 +18,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from .callbacks import smooth_values
+from .callbacks import hypers_read, smooth_values
 from .data import DataLoaders
 from .learner import CancelFitException, Callback, Learner, callback_list, check_fit_args
 from .optimizer import check_hyper, spread_hyper
@@ -26,9 +26,9 @@ from .optimizer import check_hyper, spread_hyper
 # %% auto #0
 __all__ = ['SUGGEST_FUNCS', 'annealing_no', 'annealing_linear', 'annealing_cos', 'annealing_exp', 'annealing_poly',
            'schedule_pct', 'Stepper', 'combine_scheds', 'combined_cos', 'preview_values', 'plot_schedules',
-           'hypers_read', 'check_scheds_fit', 'ParamScheduler', 'one_cycle_scheds', 'fit_one_cycle', 'fit_flat_cos',
-           'sgdr_epochs', 'fit_sgdr', 'LRFinder', 'minimum', 'steep', 'longest_descent', 'valley', 'slide',
-           'suggest_lrs', 'plot_lr_find', 'state_restored', 'lr_find']
+           'check_scheds_fit', 'ParamScheduler', 'one_cycle_scheds', 'fit_one_cycle', 'fit_flat_cos', 'sgdr_epochs',
+           'fit_sgdr', 'LRFinder', 'minimum', 'steep', 'longest_descent', 'valley', 'slide', 'suggest_lrs',
+           'plot_lr_find', 'state_restored', 'lr_find']
 
 # %% ../nbs/06_schedule.ipynb #c004
 def annealing_no(start, end, pct):
@@ -118,16 +118,6 @@ def plot_schedules(scheds, n_steps, axs=None):
     return axs
 
 # %% ../nbs/06_schedule.ipynb #c020
-def hypers_read(opt):
-    "The hyper-parameters `opt`'s step reads: those its callbacks name as arguments (a torch optimizer: all of them)."
-    cbs = getattr(opt, 'cbs', None)
-    if cbs is None: return set(opt.hypers[0])
-    names = set()
-    for cb in cbs:
-        while isinstance(cb, partial): cb = cb.func
-        names.update(p.name for p in inspect.signature(cb).parameters.values() if p.kind is not p.VAR_KEYWORD)
-    return names & set(opt.hypers[0])
-
 def check_scheds_fit(opt, scheds):
     "Raise `ValueError` unless every name in `scheds` is a hyper-parameter that `opt` reads, one schedule per group if a list."
     names, n_groups, read = set(opt.hypers[0]), len(opt.hypers), hypers_read(opt)

@@ -436,6 +436,8 @@ def _do_epoch(self):
     if self.dls.valid is not None: self._do_validate(self.dls.valid)
 
 def _do_fit(self):
+    # after `before_fit`: a state loaded since the optimizer was made (`load`, a checkpoint) may have switched decay on again
+    if not self.wd_bn_bias: _no_decay(self.opt, norm_and_bias_params(self.model))
     for self.epoch in range(self.start_epoch, self.n_epoch):
         self._with_events(self._do_epoch, 'epoch', CancelEpochException)
 

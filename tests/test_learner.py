@@ -605,6 +605,26 @@ def test_wd_bn_bias_false_decays_only_the_other_weights():
     assert (decayed_everywhere.model[1].weight - learn.model[1].weight).abs().max() > 1e-4
 
 
+@pytest.mark.numeric
+def test_wd_bn_bias_false_holds_for_an_optimizer_state_loaded_from_a_learner_that_decayed_everything(tmp_path):
+    sgd = partial(SGD, decouple_wd=False)
+    everything = Learner(double_dls(), bn_model(), F.mse_loss, opt_func=sgd, lr=0.1, wd=0.2, default_cbs=False)
+    everything.fit(1)
+    everything.save(tmp_path / 'all.pt')
+    learn = Learner(double_dls(), bn_model(), F.mse_loss, opt_func=sgd, lr=0.1, wd=0.2, default_cbs=False,
+                    wd_bn_bias=False)
+    learn.load(tmp_path / 'all.pt')
+    learn.fit(1)
+    model = copy.deepcopy(everything.model)
+    no_decay = [model[0].bias, model[1].weight, model[1].bias, model[3].bias]
+    opt = torch.optim.SGD([{'params': [model[0].weight, model[3].weight], 'weight_decay': 0.2},
+                           {'params': no_decay, 'weight_decay': 0.}], lr=0.1)
+    model.train()
+    for xb, yb in double_dls().train:
+        F.mse_loss(model(xb), yb).backward(); opt.step(); opt.zero_grad()
+    assert all((a - b).abs().max() <= 1e-12 for a, b in zip(learn.model.parameters(), model.parameters()))
+
+
 def test_wd_bn_bias_false_with_a_torch_optimizer_is_refused_before_training():
     from teachloop.interop import OptimWrapper
     learn = Learner(double_dls(), bn_model(), F.mse_loss, opt_func=partial(OptimWrapper, opt=torch.optim.AdamW),

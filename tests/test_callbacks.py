@@ -40,3 +40,26 @@ def test_recorder_records_only_the_hypers_the_optimizer_reads(opt_func, recorded
 def test_recorder_records_every_hyper_of_a_torch_optimizer():
     learn = fitted(lambda params, lr: OptimWrapper(params, opt=torch.optim.SGD, lr=lr))
     assert 'mom' in learn.recorder.hps and learn.recorder.hps['lr'] == [0.1, 0.1]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize('make', [lambda params: torch.optim.Adam(params), lambda params: torch.optim.Adam(params, fused=True),
+                                  lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+                                  lambda params: Adam(params, lr=1e-3), lambda params: Adam(params, lr=1e-3, fast=True)])
+def test_state_moved_with_its_model_sits_where_an_optimizer_made_on_the_gpu_keeps_it(make):
+    "Each state tensor on the device (and in the dtype) that the same optimizer made on the GPU uses: step counts too."
+    from teachloop.callbacks import state_to_params_devices
+    def stepped(model):
+        opt = make(list(model.parameters()))
+        model(torch.ones(3, 2, device=model.weight.device)).sum().backward()
+        opt.step()
+        return opt
+    def placement(opt):
+        return [{k: (v.device.type, v.dtype) for k, v in state.items() if torch.is_tensor(v)} for state in opt.state.values()]
+    moved = nn.Linear(2, 1)
+    opt = stepped(moved)
+    moved.cuda()
+    state_to_params_devices(opt)
+    assert placement(opt) == placement(stepped(nn.Linear(2, 1).cuda()))
+    moved(torch.ones(3, 2, device='cuda')).sum().backward()
+    opt.step()  # the fused kernels need every tensor on the parameters' device

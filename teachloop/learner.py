@@ -531,13 +531,23 @@ def _fit(self, n_epoch, lr, wd, cbs, reset_opt, resume):
     _check_loaders(self.dls)
     if resume is not None: cbs = cbs + [_resume_callback(self, resume, n_epoch, cbs)]
     with self.added_cbs(cbs):
+        previous_opt = self.opt
         if self.opt is None or reset_opt: self.create_opt()
+        try: self._check_callbacks_fit()
+        except Exception:
+            self.opt = previous_opt  # a refused fit leaves no optimizer of its own behind
+            raise
         if lr is not None: self.opt.set_hyper('lr', lr)
         if wd is not None: self.opt.set_hyper('wd', wd)
         self.n_epoch, self.start_epoch, self.skip_batches = n_epoch, 0, 0
         try:
             with self._interrupts.installed(): self._with_events(self._do_fit, 'fit', CancelFitException)
         finally: self._cleanup()
+
+def _check_callbacks_fit(self):
+    "Let each callback with a `check_fit` method refuse this fit, now that the optimizer exists and nothing has changed."
+    for cb in self.cbs:
+        if callable(getattr(type(cb), 'check_fit', None)): cb.check_fit()
 
 def _cleanup(self):
     self._set_phase(False, self.dl)
@@ -555,6 +565,7 @@ def save_checkpoint(self, path):
     return save_checkpoint(self, path)
 
 Learner.create_opt, Learner.fit, Learner._fit, Learner._cleanup, Learner.save_checkpoint = create_opt, fit, _fit, _cleanup, save_checkpoint
+Learner._check_callbacks_fit = _check_callbacks_fit
 Learner._check_owner, Learner.exclusive, Learner.reserve_for, Learner.release = _check_owner, exclusive, reserve_for, release
 
 # %% ../nbs/02_learner.ipynb #c027

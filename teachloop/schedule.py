@@ -140,11 +140,13 @@ class ParamScheduler(Callback):
         self.scheds = dict(scheds)
         self.hps = {name: [] for name in self.scheds}
 
-    def before_fit(self):
+    def check_fit(self):
+        "Refuse a fit these schedules cannot drive, before the learner changes anything (see `Learner.fit`)."
         check_scheds_fit(self.opt, self.scheds)
         if not hasattr(self.dls.train, '__len__'):
             raise TypeError("ParamScheduler needs to know the number of training batches: the training loader has no len()")
-        self.hps = {name: [] for name in self.scheds}
+
+    def before_fit(self): self.hps = {name: [] for name in self.scheds}
 
     def before_batch(self):
         pct = self.schedule_pct()

@@ -223,6 +223,22 @@ def test_unknown_hyper_name_fails_before_any_batch():
     assert all(torch.equal(v, learn.model.state_dict()[k]) for k, v in weights.items())
 
 
+@pytest.mark.parametrize('sched', [{'moms': partial(annealing_no, 0.9, None)}, {'mom': partial(annealing_no, 0.9, None)}])
+def test_a_refused_schedule_changes_nothing(sched):
+    "Misspelt, or read by no callback (SGD without momentum): refused before any event, counter or hyper-parameter changes."
+    learn = tiny_learner(4, opt_func=SGD, cbs=[EventLog()])
+    with pytest.raises(ValueError, match="'moms'|reads 'mom'"): learn.fit(1, cbs=[ParamScheduler(sched)])
+    assert learn.opt is None  # the optimizer made for the refused fit is dropped again
+    learn.fit(2, lr=0.05)
+    opt, state = learn.opt, (learn.train_iter, learn.pct_train, learn.n_epoch, list(learn.recorder.losses))
+    learn.event_log.events.clear()
+    for reset_opt in (False, True):
+        with pytest.raises(ValueError, match="'moms'|reads 'mom'"):
+            learn.fit(3, lr=1., reset_opt=reset_opt, cbs=[ParamScheduler(sched)])
+    assert learn.event_log.events == [] and learn.opt is opt and learn.opt.hypers[0]['lr'] == 0.05
+    assert (learn.train_iter, learn.pct_train, learn.n_epoch, learn.recorder.losses) == state
+
+
 def test_param_scheduler_rejects_bad_schedules():
     with pytest.raises(TypeError, match='dict'): ParamScheduler([partial(annealing_no, 1., None)])
     with pytest.raises(TypeError, match="'lr'"): ParamScheduler({'lr': 0.1})

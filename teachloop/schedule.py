@@ -394,14 +394,19 @@ def state_restored(learn):
         learn.dls = dls
         _set_rng_states(dls.train, rng)
 
+# Where the last fit got to: a checkpoint written after `lr_find` must describe that fit, not the range test.
+_PROGRESS_ATTRS = ('n_epoch', 'epoch', 'iter', 'n_iter', 'train_iter', 'pct_train', 'start_epoch', 'skip_batches')
+
 @contextmanager
 def _history_kept(learn):
-    "The Recorder's history of the last fit is there again after the block (the range test keeps its own)."
+    "The last fit's history (the Recorder's, and the learner's progress counters) is there again after the block."
     recorder = next((cb for cb in learn.cbs if cb.name == 'recorder'), None)
     saved = dict(recorder.__dict__) if recorder is not None else None  # `reset` rebinds, never empties, its lists
+    progress = {name: getattr(learn, name) for name in _PROGRESS_ATTRS}
     try: yield
     finally:
         if recorder is not None: recorder.__dict__.update(saved)
+        for name, value in progress.items(): setattr(learn, name, value)
 
 @contextmanager
 def _rows_hidden(learn):

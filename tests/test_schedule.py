@@ -293,6 +293,18 @@ def test_lr_find_restores_model_and_optimizer_exactly():
     assert (learn.recorder.values, learn.recorder.losses, learn.recorder.lrs) == history and len(history[2]) == 23
 
 
+def test_a_checkpoint_written_after_lr_find_continues_the_fit_before_it(tmp_path):
+    learn = digits_learner()
+    learn.fit(2, lr=3e-3)
+    learn.save_checkpoint(tmp_path / 'before.pt')
+    counters = {name: getattr(learn, name) for name in ('n_epoch', 'epoch', 'iter', 'n_iter', 'train_iter', 'pct_train')}
+    learn.lr_find(num_it=30, show_plot=False)
+    assert {name: getattr(learn, name) for name in counters} == counters
+    learn.save_checkpoint(tmp_path / 'after.pt')
+    before, after = (torch.load(tmp_path / f, weights_only=False) for f in ('before.pt', 'after.pt'))
+    assert after['progress'] == before['progress'] and after['progress']['epochs_done'] == 2
+
+
 @pytest.mark.slow
 def test_fit_after_lr_find_equals_fit_without():
     learn = digits_learner()

@@ -683,3 +683,34 @@ def test_a_cancel_raised_after_its_part_is_an_error_naming_the_event(event, exc)
     learn = tiny_learner(cbs)
     with pytest.raises(RuntimeError, match=f"{exc.__name__} raised in `{event}`.*already over"): learn.fit(1)
     assert not learn.model.training and all(p.grad is None or not p.grad.any() for p in learn.model.parameters())
+
+
+def test_a_background_fit_takes_every_step_whatever_the_main_thread_calls():
+    "Reported: validate/get_preds/fit during `fit(background=True)` flipped its state and 19-24 of 40 steps were taken."
+    import threading
+    from teachloop.schedule import fit_one_cycle, lr_find  # noqa: F401  (add the Learner methods)
+    def learner():
+        torch.manual_seed(0)
+        x, y = regression_2d(n=100)
+        dls = DataLoaders([(x[i:i + 4], y[i:i + 4]) for i in range(0, 80, 4)], [(x[80:], y[80:])])
+        return Learner(dls, nn.Linear(2, 1), F.mse_loss, opt_func=SGD, lr=0.01, default_cbs=False, cbs=[Recorder()])
+    reference = learner()
+    reference.fit(2)
+    started, release = threading.Event(), threading.Event()
+    class HoldAtBatch(Callback):
+        def before_batch(self):
+            if self.training and self.train_iter == 7:
+                started.set()
+                release.wait(10)
+    learn = learner()
+    handle = learn.fit(2, cbs=[HoldAtBatch()], background=True)
+    try:
+        assert started.wait(10)
+        for call in (learn.validate, learn.get_preds, lambda: learn.fit(1), lambda: learn.fit_one_cycle(1),
+                     lambda: learn.lr_find(num_it=5, show_plot=False)):
+            with pytest.raises(RuntimeError, match=r'another thread.*handle\.wait\(\)'): call()
+    finally: release.set()
+    handle.wait(timeout=60)
+    assert learn.train_iter == 40 and len(learn.recorder.losses) == 40
+    assert all(torch.equal(a, b) for a, b in zip(learn.model.parameters(), reference.model.parameters()))
+    learn.validate()  # the learner is free again once the fit is over

@@ -11,7 +11,6 @@ import copy
 import math
 import numbers
 from collections import namedtuple
-import inspect
 from contextlib import contextmanager
 from functools import partial
 

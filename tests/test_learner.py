@@ -606,6 +606,24 @@ def test_wd_bn_bias_false_decays_only_the_other_weights():
 
 
 @pytest.mark.numeric
+@pytest.mark.parametrize('fast', [False, True])
+def test_wd_bn_bias_false_with_adam_matches_torch_adamw_with_a_group_without_decay(fast):
+    "Decoupled decay, on both of the optimizer's paths: the per-parameter callbacks and the multi-tensor fast path."
+    learn = Learner(double_dls(), bn_model(), F.mse_loss, opt_func=partial(Adam, fast=fast), lr=1e-2, wd=0.1,
+                    default_cbs=False, wd_bn_bias=False)
+    learn.fit(2)
+    model = bn_model()
+    no_decay = [model[0].bias, model[1].weight, model[1].bias, model[3].bias]
+    opt = torch.optim.AdamW([{'params': [model[0].weight, model[3].weight], 'weight_decay': 0.1},
+                             {'params': no_decay, 'weight_decay': 0.}], lr=1e-2, betas=(0.9, 0.99), eps=1e-5)
+    for _ in range(2):
+        model.train()
+        for xb, yb in double_dls().train:
+            F.mse_loss(model(xb), yb).backward(); opt.step(); opt.zero_grad()
+    assert all((a - b).abs().max() <= 1e-10 for a, b in zip(learn.model.parameters(), model.parameters()))
+
+
+@pytest.mark.numeric
 def test_wd_bn_bias_false_holds_for_an_optimizer_state_loaded_from_a_learner_that_decayed_everything(tmp_path):
     sgd = partial(SGD, decouple_wd=False)
     everything = Learner(double_dls(), bn_model(), F.mse_loss, opt_func=sgd, lr=0.1, wd=0.2, default_cbs=False)

@@ -17,8 +17,8 @@ import torch
 
 from .learner import (Callback, CancelFitException, Learner, atomic_save, check_save_folder, check_save_path,
                                check_state_matches)
-from .nan_capture import (check_count, optimizer_with_state, restore_training_state, rng_states, saveable_rng,
-                                   set_rng_states)
+from .nan_capture import (check_count, optimizer_with_state, restore_training_state, rng_readers, rng_states,
+                                   saveable_rng, set_rng_states)
 
 # %% auto #0
 __all__ = ['FORMAT', 'loader_generators', 'recorder_state', 'load_recorder_state', 'load_epoch_in_progress', 'epoch_rows',
@@ -64,10 +64,10 @@ def _stateful_callbacks(learn):
 def _has_recorder(learn): return any(cb.name == 'recorder' for cb in learn.cbs)
 
 def _epoch_start(learn, epoch):
-    "The loader states a callback noted at the start of `epoch`, or None."
+    "What a callback noted at the start of `epoch` (the loader's generators, the random states), or None."
     for cb in learn.cbs:
         noted = getattr(cb, 'epoch_start', None)
-        if isinstance(noted, dict) and noted.get('epoch') == epoch: return noted['train']
+        if isinstance(noted, dict) and noted.get('epoch') == epoch: return noted
     return None
 
 def epoch_rows(learn):
@@ -83,25 +83,29 @@ def _progress(learn, rows):
     epochs_done, batches_done = divmod(learn.train_iter, len(learn.dls.train))
     rows_complete = rows is None or len(rows) == epochs_done
     epoch_start = _epoch_start(learn, epochs_done) if batches_done else None
-    return {'epochs_done': epochs_done, 'batches_done': batches_done, 'epoch_start': epoch_start,
+    return {'epochs_done': epochs_done, 'batches_done': batches_done,
+            'epoch_start': epoch_start and epoch_start['train'],
+            'epoch_start_rng': epoch_start and epoch_start.get('rng') and saveable_rng(epoch_start['rng']),
             'resumable': rows_complete and (batches_done == 0 or epoch_start is not None), 'n_epoch': learn.n_epoch,
             'train_iter': learn.train_iter, 'pct_train': learn.pct_train, 'epoch': learn.epoch, 'iter': learn.iter}
 
-def checkpoint_state(learn):
+def checkpoint_state(learn,
+                     rng=None,  # the random states to keep; None: as they are now
+                    ):
     "Everything needed to continue `learn`'s fit exactly: weights, optimizer, callbacks, history, random states, progress."
     if learn.opt is None: learn.create_opt()
     rows = epoch_rows(learn) if _has_recorder(learn) else None
     return {'format': FORMAT, 'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(),
             'callbacks': {cb.name: cb.state_dict() for cb in _stateful_callbacks(learn)},
             'recorder': recorder_state(learn.recorder, rows) if rows is not None else None,
-            'rng': saveable_rng(rng_states()),
+            'rng': saveable_rng(rng if rng is not None else rng_states()),
             'loaders': {name: [g.get_state() for g in loader_generators(getattr(learn.dls, name))]
                         for name in ('train', 'valid') if getattr(learn.dls, name) is not None},
             'progress': _progress(learn, rows)}
 
-def save_checkpoint(learn, path):
-    "Write `checkpoint_state(learn)` to `path` atomically (a temporary file, then a rename); return the path."
-    atomic_save(checkpoint_state(learn), path)
+def save_checkpoint(learn, path, rng=None):
+    "Write `checkpoint_state(learn, rng)` to `path` atomically (a temporary file, then a rename); return the path."
+    atomic_save(checkpoint_state(learn, rng), path)
     return path
 
 # %% ../nbs/13_checkpoint.ipynb #c013
@@ -132,7 +136,7 @@ def check_checkpoint_fits(learn, state, n_epoch, cbs=()):
                          f"{progress['train_iter']} training steps) without the loader's state at the epoch's start; a "
                          "fit resumes from the end of an epoch, or from within its training phase when a Checkpoint "
                          "callback was part of the fit. Its weights are good: `learn.load_checkpoint(path)` loads them")
-    if progress['batches_done'] and not loader_generators(learn.dls.train):
+    if progress['batches_done'] and not loader_generators(learn.dls.train) and not progress.get('epoch_start_rng'):
         raise ValueError("resuming in the middle of an epoch needs a training loader with its own torch.Generator "
                          "(DataLoader(..., generator=...)), so that the epoch's order can be drawn again")
     if progress['epochs_done'] >= n_epoch:
@@ -189,13 +193,16 @@ class Resume(Callback):
     def before_train(self):
         if self._epoch_in_progress is not None:
             if _has_recorder(self.learn): load_epoch_in_progress(self.recorder, self._epoch_in_progress)
-            # Re-drawing the skipped batches may draw from the random generators (a dataset's augmentation): they
-            # are put back as they were at the checkpoint before the first batch after it is drawn.
+            # The epoch's order may be drawn from the global generators (a sampler without its own generator) and
+            # the skipped batches may draw from them too (augmentation): both are drawn again from the epoch's start,
+            # and the states of the checkpoint's batch boundary are put back before the first batch after it is drawn.
+            epoch_start_rng = self.state['progress'].get('epoch_start_rng')
+            if epoch_start_rng: set_rng_states(epoch_start_rng, warn=False)
             self.learn.after_skipping = self._restore_rng
         self._epoch_in_progress = None
 
     def _restore_rng(self):
-        set_rng_states(self.state['rng'])
+        set_rng_states(self.state['rng'], warn=False)  # restore_checkpoint has warned of what does not fit
         self.learn.after_skipping = None
 
     def after_train(self): self.learn.skip_batches, self.learn.after_skipping = 0, None
@@ -226,20 +233,32 @@ class Checkpoint(Callback):
         self.folder = check_save_folder(folder, 'Checkpoint folder')
         self.every_n_epochs, self.keep = every_n_epochs, keep
         self.epoch_start, self._in_step, self._ended, self._written = None, False, False, []
+        self._read_rng, self._boundary = rng_readers(cached_numpy=True), None
 
     @property
     def latest(self): return self.folder / 'latest.pt'
 
-    def before_fit(self): self._in_step, self._ended = False, False
+    def before_fit(self): self._in_step, self._ended, self._boundary = False, False, None
     def before_train(self):
-        self.epoch_start = {'epoch': self.epoch, 'train': [g.get_state() for g in loader_generators(self.dls.train)]}
+        rng = self._random_states()
+        self.epoch_start = {'epoch': self.epoch, 'train': [g.get_state() for g in loader_generators(self.dls.train)],
+                            'rng': rng}
+        self._boundary = (self.train_iter, rng)
     def before_step(self): self._in_step = True
-    def after_batch(self): self._in_step = False
+    def after_batch(self):
+        self._in_step = False
+        if self.learn.training: self._boundary = (self.learn.train_iter, self._random_states())
     def after_fit(self): self._ended = True
+
+    def _random_states(self): return {name: read() for name, read in self._read_rng.items()}
 
     def cleanup_fit(self):
         if self._ended or self._in_step or self.train_iter == 0: return
-        path = save_checkpoint(self.learn, self.folder / 'interrupted.pt')
+        # An exception inside a batch comes after the batch was drawn and maybe after dropout drew: the random
+        # states to resume from are those of the end of the last whole batch (or of the epoch's start).
+        at_boundary = self._boundary is not None and self._boundary[0] == self.train_iter
+        rng = self._boundary[1] if at_boundary else None
+        path = save_checkpoint(self.learn, self.folder / 'interrupted.pt', rng)
         print(f"Checkpoint: the fit was interrupted; `fit({self.n_epoch}, resume={str(path)!r})` continues it")
 
     def after_epoch(self):

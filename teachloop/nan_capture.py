@@ -105,7 +105,9 @@ def saveable_rng(states):
     "`states` with numpy's state as tensors and numbers, so that `torch.load(weights_only=True)` accepts it."
     return {**states, 'numpy': _plain(states['numpy'])} if 'numpy' in states else states
 
-def set_rng_states(states):
+def set_rng_states(states,
+                   warn=True,  # warn of the generators that could not be restored (they are returned either way)
+                  ):
     "Put every generator back in the state `rng_states` (or `saveable_rng`) read; warn of, and return, what could not be."
     torch.set_rng_state(states['torch'])
     if 'numpy' in states:
@@ -113,7 +115,7 @@ def set_rng_states(states):
         _numpy_state.forget()
     if 'random' in states: random.setstate(states['random'])
     notes = _set_cuda_rng_states(states.get('cuda'))
-    if notes: warnings.warn(f"random states restored only in part: {'; '.join(notes)}; the steps that draw from "
+    if notes and warn: warnings.warn(f"random states restored only in part: {'; '.join(notes)}; the steps that draw from "
                             "those generators (dropout on a GPU) will not repeat exactly", stacklevel=2)
     return notes
 

@@ -369,3 +369,50 @@ def test_a_ctrl_c_while_an_augmented_batch_is_drawn_resumes_exactly(tmp_path):
     resumed = augmented_learner()
     resumed.fit(2, resume=tmp_path / 'interrupted.pt')
     assert weights_equal(straight, resumed) and history(straight) == history(resumed)
+
+
+def augmented_learner_with(train_loader_args):
+    "The augmented digits with the training loader built from `train_loader_args(dataset)`, and dropout drawing too."
+    from teachloop.data import DataLoaders, load_digits_tensors
+    x, y = load_digits_tensors()
+    dataset = Augmented(x[:1024], y[:1024])
+    train = torch.utils.data.DataLoader(dataset, batch_size=64, **train_loader_args(dataset))
+    valid = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[1024:], y[1024:]), batch_size=256)
+    torch.manual_seed(0)
+    learn = Learner(DataLoaders(train, valid), Dropout(), F.cross_entropy, lr=3e-3)
+    learn.progress.show_bar, learn.progress.print_rows = False, False
+    return learn
+
+
+LOADERS = {
+    'own_generator': lambda ds: dict(shuffle=True, generator=torch.Generator().manual_seed(0)),
+    # the sampler draws its permutation from torch's global generator, the loader only its workers' base seed
+    'sampler_on_global_rng': lambda ds: dict(sampler=torch.utils.data.RandomSampler(ds),
+                                             generator=torch.Generator().manual_seed(0)),
+    'no_generator': lambda ds: dict(shuffle=True),
+}
+
+
+class FailDuringBatch(Callback):
+    "An error in the forward pass of training batch `at` of epoch 1, after the batch was drawn (and augmented)."
+    def __init__(self, at, event): self.at, self.event = at, event
+    def _fail(self):
+        if self.training and (self.epoch, self.iter) == (1, self.at): raise RuntimeError('out of memory (played)')
+    def before_batch(self):
+        if self.event == 'before_batch': self._fail()
+    def after_pred(self):
+        if self.event == 'after_pred': self._fail()
+
+
+@pytest.mark.parametrize('event', ['before_batch', 'after_pred'])
+@pytest.mark.parametrize('loader', LOADERS)
+def test_an_error_in_the_middle_of_an_augmented_batch_resumes_exactly(tmp_path, loader, event):
+    "The random states saved are those of the batch boundary, not of the moment the error came (batch drawn, dropout run)."
+    straight = augmented_learner_with(LOADERS[loader])
+    straight.fit(2)
+    failed = augmented_learner_with(LOADERS[loader])
+    with pytest.raises(RuntimeError, match='played'): failed.fit(2, cbs=[Checkpoint(tmp_path), FailDuringBatch(5, event)])
+    assert read_checkpoint(tmp_path / 'interrupted.pt')['progress']['batches_done'] == 5
+    resumed = augmented_learner_with(LOADERS[loader])
+    resumed.fit(2, resume=tmp_path / 'interrupted.pt')
+    assert weights_equal(straight, resumed) and history(straight) == history(resumed)

@@ -242,8 +242,9 @@ class NaNCapture(Callback):
         if rngs not in ('auto', 'every_step'): raise ValueError(f"rngs must be 'auto' or 'every_step', got {rngs!r}")
         if sync_free is not None and not isinstance(sync_free, bool):
             raise ValueError(f"sync_free must be None, True or False, got {sync_free!r}")
-        path = check_save_path(path, capture_file_name(), 'NaNCapture path')
-        self.path, self.check_every, self.rngs, self.sync_free = os.fspath(path), check_every, rngs, sync_free
+        self._target = path  # a file, or a folder whose file is named when each fit begins
+        self.path = self._capture_path()
+        self.check_every, self.rngs, self.sync_free = check_every, rngs, sync_free
         self.name, self.captured, self._readers, self._pending = 'nan_capture', None, rng_readers(cached_numpy=True), None
 
     @property
@@ -251,7 +252,13 @@ class NaNCapture(Callback):
         "The generators whose states are read at the start of every checked step (all of them until the first has run)."
         return list(self._readers)
 
+    def _capture_path(self):
+        "The file to write, checked: a folder's file name has the rank of the process as it is now."
+        return os.fspath(check_save_path(self._target, capture_file_name(), 'NaNCapture path'))
+
     def before_fit(self):
+        # Checked again before the first step: the folder may have changed since, or torch.distributed started
+        self.path = self._capture_path()
         self._named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in self._named]
         devices = {p.device for p in self._params}

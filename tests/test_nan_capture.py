@@ -457,3 +457,28 @@ def test_a_cpu_checkpoint_resumes_on_the_gpu_with_a_note(tmp_path):
     states = nan_capture.rng_states()
     states.pop('cuda', None)
     with pytest.warns(UserWarning, match='without a GPU'): nan_capture.set_rng_states(states)
+
+
+def test_a_capture_folder_gets_the_rank_of_the_fit_not_of_the_moment_the_callback_was_made(tmp_path):
+    "Callbacks are often made before torch.distributed starts: the rank in the file name is read when the fit begins."
+    import torch.distributed as dist
+    (tmp_path / 'captures').mkdir()
+    capture = NaNCapture(tmp_path / 'captures')
+    assert capture.path == str(tmp_path / 'captures' / 'nan-capture.pt')
+    dist.init_process_group('gloo', init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        learn = quiet_learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, cbs=[capture, NaNGradientAt(2)])
+        learn.fit(1)
+    finally: dist.destroy_process_group()
+    assert sorted(p.name for p in (tmp_path / 'captures').iterdir()) == ['nan-capture-rank0.pt']
+    assert load_capture(tmp_path / 'captures' / 'nan-capture-rank0.pt')['train_iter'] == 2
+
+
+def test_a_capture_path_spoiled_after_the_callback_was_made_is_refused_before_the_first_step(tmp_path):
+    "The folder replaced by a file between making the callback and the fit: refused in before_fit, no step taken."
+    capture = NaNCapture(tmp_path / 'captures' / 'nan.pt')
+    (tmp_path / 'captures').write_text('not a folder')
+    learn = quiet_learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, cbs=[capture, NaNGradientAt(2)])
+    before = [p.detach().clone() for p in learn.model.parameters()]
+    with pytest.raises(ValueError, match='captures'): learn.fit(1)
+    assert learn.train_iter == 0 and all(torch.equal(a, b) for a, b in zip(before, learn.model.parameters()))

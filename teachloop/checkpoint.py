@@ -79,14 +79,20 @@ def epoch_rows(learn):
         if pending is not None and pending[0] == epochs_done - 1: rows.append(pending)
     return rows
 
+def _behind(learn, epochs_done):
+    "The callbacks that count the epoch ends they have seen (`epochs_seen`) and have not seen all `epochs_done` yet."
+    return [cb.name for cb in learn.cbs if getattr(cb, 'epochs_seen', epochs_done) < epochs_done]
+
 def _progress(learn, rows):
     epochs_done, batches_done = divmod(learn.train_iter, len(learn.dls.train))
     rows_complete = rows is None or len(rows) == epochs_done
     epoch_start = _epoch_start(learn, epochs_done) if batches_done else None
-    return {'epochs_done': epochs_done, 'batches_done': batches_done,
+    behind = _behind(learn, epochs_done)
+    return {'epochs_done': epochs_done, 'batches_done': batches_done, 'behind': behind,
             'epoch_start': epoch_start and epoch_start['train'],
             'epoch_start_rng': epoch_start and epoch_start.get('rng') and saveable_rng(epoch_start['rng']),
-            'resumable': rows_complete and (batches_done == 0 or epoch_start is not None), 'n_epoch': learn.n_epoch,
+            'resumable': rows_complete and not behind and (batches_done == 0 or epoch_start is not None),
+            'n_epoch': learn.n_epoch,
             'train_iter': learn.train_iter, 'pct_train': learn.pct_train, 'epoch': learn.epoch, 'iter': learn.iter}
 
 def checkpoint_state(learn,
@@ -131,6 +137,11 @@ def check_checkpoint_fits(learn, state, n_epoch, cbs=()):
     optimizer_with_state(learn, state['opt'])  # a trial load: an optimizer of another kind fails here, not mid-fit
     _check_callbacks_present(state, learn.cbs + list(cbs))
     progress = state['progress']
+    if progress.get('behind'):
+        raise ValueError(f"this checkpoint was written at the end of epoch {progress['epochs_done'] - 1} before "
+                         f"{progress['behind']} had finished that epoch (they run after the callback that saved it): a "
+                         "resume would skip their part of it. Save from a callback whose `order` is above theirs, or "
+                         "with the Checkpoint callback. Its weights are good: `learn.load_checkpoint(path)` loads them")
     if not progress['resumable']:
         raise ValueError(f"this checkpoint was written in the middle of epoch {progress['epoch']} (after "
                          f"{progress['train_iter']} training steps) without the loader's state at the epoch's start; a "
@@ -290,7 +301,7 @@ class TrackerCallback(Callback):
         check_mode(mode)
         if not isinstance(min_delta, (int, float)) or min_delta < 0: raise ValueError(f"min_delta must be >= 0, got {min_delta!r}")
         self.monitor, self.mode, self.min_delta = monitor, mode, min_delta
-        self.best, self.improved, self.wait = None, False, 0
+        self.best, self.improved, self.wait, self.epochs_seen = None, False, 0, 0
 
     def before_fit(self):
         if not any(cb.name == 'recorder' for cb in self.learn.cbs):
@@ -299,16 +310,20 @@ class TrackerCallback(Callback):
         if self.monitor not in names: raise ValueError(f"monitor {self.monitor!r} is not recorded; choose one of {names}")
         self._index = self.recorder.metric_names.index(self.monitor)
         self.best, self.improved, self.wait = (math.inf if self.mode == 'min' else -math.inf), False, 0
+        self.epochs_seen = 0
 
     def after_epoch(self):
+        # counted first: a checkpoint taken before this runs is one this callback has not finished (see `_behind`)
+        self.epochs_seen = self.epoch + 1
         value = self.recorder.values[-1][self._index]
         if self.mode == 'min': self.improved = value < self.best - self.min_delta
         else: self.improved = value > self.best + self.min_delta
         if self.improved: self.best, self.wait = value, 0
         else: self.wait += 1
 
-    def state_dict(self): return {'best': self.best, 'wait': self.wait}
-    def load_state_dict(self, state): self.best, self.wait = state['best'], state['wait']
+    def state_dict(self): return {'best': self.best, 'wait': self.wait, 'epochs_seen': self.epochs_seen}
+    def load_state_dict(self, state):
+        self.best, self.wait, self.epochs_seen = state['best'], state['wait'], state.get('epochs_seen', math.inf)
 
 # %% ../nbs/13_checkpoint.ipynb #c030
 class SaveModel(TrackerCallback):

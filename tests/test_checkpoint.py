@@ -416,3 +416,26 @@ def test_an_error_in_the_middle_of_an_augmented_batch_resumes_exactly(tmp_path, 
     resumed = augmented_learner_with(LOADERS[loader])
     resumed.fit(2, resume=tmp_path / 'interrupted.pt')
     assert weights_equal(straight, resumed) and history(straight) == history(resumed)
+
+
+def test_a_save_at_an_epochs_end_before_a_tracker_has_seen_it_is_refused_for_resume_not_resumed_wrongly(tmp_path):
+    "EarlyStopping (order 55) not yet told of the epoch: a resume would skip its part of it, so it is refused and says why."
+    class SaveAtEpochEnd(Callback):
+        order = 0
+        def after_epoch(self):
+            if self.epoch == 0: self.learn.save_checkpoint(tmp_path / 'end.pt')
+    values = [0.5, 0.6, 0.4, 0.7]
+    first = scripted_learner(values)
+    first.fit(1, cbs=[EarlyStopping('score', 'min', patience=1), SaveAtEpochEnd()])
+    fresh = scripted_learner(values)
+    before = [p.detach().clone() for p in fresh.model.parameters()]
+    with pytest.raises(ValueError, match=r"before \['early_stopping'\] had finished"):
+        fresh.fit(4, cbs=[EarlyStopping('score', 'min', patience=1)], resume=tmp_path / 'end.pt')
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.model.parameters())) and fresh.opt is None
+    SaveAtEpochEnd.order = 60  # after the tracker: the same save resumes exactly
+    whole, stopper = scripted_learner(values), EarlyStopping('score', 'min', patience=1)
+    whole.fit(4, cbs=[stopper])
+    scripted_learner(values).fit(1, cbs=[EarlyStopping('score', 'min', patience=1), SaveAtEpochEnd()])
+    resumed, resumed_stopper = scripted_learner(values), EarlyStopping('score', 'min', patience=1)
+    resumed.fit(4, cbs=[resumed_stopper], resume=tmp_path / 'end.pt')
+    assert resumed_stopper.stopped_epoch == stopper.stopped_epoch == 1 and weights_equal(whole, resumed)

@@ -369,7 +369,7 @@ class NaNReport:
     source: str | None  # the line of Python whose forward operation that was
     epoch: int = 0
     iter: int = 0
-    rng_exact: bool = True  # False: the replayed model and loss drew from a generator whose state is from the step's end
+    rng_exact: bool = True  # False: a generator's state was read at the step's end, or not restored (another GPU count)
     notes: list = field(default_factory=list)
 
     def __str__(self):
@@ -463,7 +463,7 @@ def replay_nan(learn, path):
     xb, yb = to_device(capture['batch'], device, non_blocking=False)
     learn.model.train()
     learn.opt.zero_grad()
-    set_rng_states(capture['rng'])
+    not_restored = set_rng_states(capture['rng'])  # warns, and the report says it too
     try:
         loss, forward_bad, backward_bad = _replay_step(learn, xb, yb)
         bad = nonfinite_grads(learn.model.named_parameters())
@@ -475,10 +475,12 @@ def replay_nan(learn, path):
     node = backward_bad[0] if backward_bad else None
     read_late = [name for name in moved if capture.get('rng_read_at', {}).get(name) == 'end']
     notes = [] if capture['weights_finite'] else ['(the captured weights were already non-finite)']
+    notes += [f"(random states not restored exactly: {note})" for note in not_restored]
     if read_late:
         notes.append(f"(the step drew from the {' and '.join(read_late)} random generator, whose state was read at the "
                      "end of the captured step, not at its start: the replay may differ from the original step; "
                      "capture with NaNCapture(..., rngs='every_step'))")
     return NaNReport(recurred=bool(bad), bad_params=bad, loss=float(loss), first_forward=(forward_bad or [None])[0],
                      first_backward=node.name() if node is not None else None, source=_source_line(node) if node else None,
-                     epoch=capture['epoch'], iter=capture['iter'], rng_exact=not read_late, notes=notes)
+                     epoch=capture['epoch'], iter=capture['iter'], rng_exact=not read_late and not not_restored,
+                     notes=notes)

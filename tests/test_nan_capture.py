@@ -482,3 +482,20 @@ def test_a_capture_path_spoiled_after_the_callback_was_made_is_refused_before_th
     before = [p.detach().clone() for p in learn.model.parameters()]
     with pytest.raises(ValueError, match='captures'): learn.fit(1)
     assert learn.train_iter == 0 and all(torch.equal(a, b) for a, b in zip(before, learn.model.parameters()))
+
+
+def test_a_replay_on_a_machine_with_fewer_gpus_says_so_in_its_report(tmp_path, monkeypatch):
+    "A capture whose states were read with 2 GPUs, replayed with none: the report is not exact and its notes say why."
+    torch.manual_seed(0)
+    learn = quiet_learner(digits_dls(bs=32), dropout_sqrt_model(), F.cross_entropy,
+                          cbs=[NaNCapture(tmp_path / 'nan.pt')])
+    learn.fit(1)
+    capture = load_capture(tmp_path / 'nan.pt')
+    capture['rng']['cuda'] = [torch.zeros(16, dtype=torch.uint8)] * 2  # as a machine with two GPUs would have written
+    torch.save(capture, tmp_path / 'two-gpus.pt')
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 0)
+    with pytest.warns(UserWarning, match='read with 2 GPU'):
+        report = replay_nan(quiet_learner(digits_dls(bs=32), dropout_sqrt_model(), F.cross_entropy), tmp_path / 'two-gpus.pt')
+    assert report.recurred and not report.rng_exact
+    assert any('read with 2 GPU' in note for note in report.notes) and 'read with 2 GPU' in str(report)

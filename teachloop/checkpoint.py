@@ -249,7 +249,9 @@ class Checkpoint(Callback):
     @property
     def latest(self): return self.folder / 'latest.pt'
 
-    def before_fit(self): self._in_step, self._ended, self._boundary = False, False, None
+    def before_fit(self):
+        self.folder = check_save_folder(self.folder, 'Checkpoint folder')  # again: it may have changed since
+        self._in_step, self._ended, self._boundary = False, False, None
     def before_train(self):
         rng = self._random_states()
         self.epoch_start = {'epoch': self.epoch, 'train': [g.get_state() for g in loader_generators(self.dls.train)],
@@ -331,6 +333,10 @@ class SaveModel(TrackerCallback):
     def __init__(self, monitor, mode, path, min_delta=0.):
         super().__init__(monitor, mode, min_delta)
         self.path = check_save_path(path, 'model.pt', 'SaveModel path')
+
+    def before_fit(self):
+        super().before_fit()
+        self.path = check_save_path(self.path, None, 'SaveModel path')  # again: it may have changed since
 
     def after_epoch(self):
         super().after_epoch()

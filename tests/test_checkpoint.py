@@ -439,3 +439,15 @@ def test_a_save_at_an_epochs_end_before_a_tracker_has_seen_it_is_refused_for_res
     resumed, resumed_stopper = scripted_learner(values), EarlyStopping('score', 'min', patience=1)
     resumed.fit(4, cbs=[resumed_stopper], resume=tmp_path / 'end.pt')
     assert resumed_stopper.stopped_epoch == stopper.stopped_epoch == 1 and weights_equal(whole, resumed)
+
+
+@pytest.mark.parametrize('make', [lambda folder: Checkpoint(folder),
+                                  lambda folder: SaveModel('valid_loss', 'min', folder / 'best.pt')])
+def test_a_save_folder_spoiled_after_the_callback_was_made_is_refused_before_the_first_step(tmp_path, make):
+    "The folder replaced by a file between making the callback and the fit: refused in before_fit, nothing trained."
+    callback = make(tmp_path / 'saves')
+    (tmp_path / 'saves').write_text('not a folder')
+    learn = make_learner()
+    before = [p.detach().clone() for p in learn.model.parameters()]
+    with pytest.raises(ValueError, match='saves'): learn.fit(1, cbs=[callback])
+    assert learn.train_iter == 0 and all(torch.equal(a, b) for a, b in zip(before, learn.model.parameters()))

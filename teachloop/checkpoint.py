@@ -95,8 +95,16 @@ def _progress(learn, rows):
             'n_epoch': learn.n_epoch,
             'train_iter': learn.train_iter, 'pct_train': learn.pct_train, 'epoch': learn.epoch, 'iter': learn.iter}
 
+def _rng_at_batch_start(learn):
+    "The random states a callback noted at the end of the last whole training batch, if `learn` is inside the next one."
+    if not learn.training: return None
+    for cb in learn.cbs:
+        noted = getattr(cb, 'batch_boundary', None)
+        if noted is not None and noted[0] == learn.train_iter: return noted[1]
+    return None
+
 def checkpoint_state(learn,
-                     rng=None,  # the random states to keep; None: as they are now
+                     rng=None,  # the random states to keep; None: those of the batch boundary, or as they are now
                     ):
     "Everything needed to continue `learn`'s fit exactly: weights, optimizer, callbacks, history, random states, progress."
     if learn.opt is None: learn.create_opt()
@@ -104,7 +112,7 @@ def checkpoint_state(learn,
     return {'format': FORMAT, 'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(),
             'callbacks': {cb.name: cb.state_dict() for cb in _stateful_callbacks(learn)},
             'recorder': recorder_state(learn.recorder, rows) if rows is not None else None,
-            'rng': saveable_rng(rng if rng is not None else rng_states()),
+            'rng': saveable_rng(next(r for r in (rng, _rng_at_batch_start(learn), rng_states()) if r is not None)),
             'loaders': {name: [g.get_state() for g in loader_generators(getattr(learn.dls, name))]
                         for name in ('train', 'valid') if getattr(learn.dls, name) is not None},
             'progress': _progress(learn, rows)}
@@ -244,23 +252,23 @@ class Checkpoint(Callback):
         self.folder = check_save_folder(folder, 'Checkpoint folder')
         self.every_n_epochs, self.keep = every_n_epochs, keep
         self.epoch_start, self._in_step, self._ended, self._written = None, False, False, []
-        self._read_rng, self._boundary = rng_readers(cached_numpy=True), None
+        self._read_rng, self.batch_boundary = rng_readers(cached_numpy=True), None
 
     @property
     def latest(self): return self.folder / 'latest.pt'
 
     def before_fit(self):
         self.folder = check_save_folder(self.folder, 'Checkpoint folder')  # again: it may have changed since
-        self._in_step, self._ended, self._boundary = False, False, None
+        self._in_step, self._ended, self.batch_boundary = False, False, None
     def before_train(self):
         rng = self._random_states()
         self.epoch_start = {'epoch': self.epoch, 'train': [g.get_state() for g in loader_generators(self.dls.train)],
                             'rng': rng}
-        self._boundary = (self.train_iter, rng)
+        self.batch_boundary = (self.train_iter, rng)
     def before_step(self): self._in_step = True
     def after_batch(self):
         self._in_step = False
-        if self.learn.training: self._boundary = (self.learn.train_iter, self._random_states())
+        if self.learn.training: self.batch_boundary = (self.learn.train_iter, self._random_states())
     def after_fit(self): self._ended = True
 
     def _random_states(self): return {name: read() for name, read in self._read_rng.items()}
@@ -269,8 +277,8 @@ class Checkpoint(Callback):
         if self._ended or self._in_step or self.train_iter == 0: return
         # An exception inside a batch comes after the batch was drawn and maybe after dropout drew: the random
         # states to resume from are those of the end of the last whole batch (or of the epoch's start).
-        at_boundary = self._boundary is not None and self._boundary[0] == self.train_iter
-        rng = self._boundary[1] if at_boundary else None
+        at_boundary = self.batch_boundary is not None and self.batch_boundary[0] == self.train_iter
+        rng = self.batch_boundary[1] if at_boundary else None  # the learner has left its training phase by now
         path = save_checkpoint(self.learn, self.folder / 'interrupted.pt', rng)
         print(f"Checkpoint: the fit was interrupted; `fit({self.n_epoch}, resume={str(path)!r})` continues it")
 

@@ -451,3 +451,17 @@ def test_a_save_folder_spoiled_after_the_callback_was_made_is_refused_before_the
     before = [p.detach().clone() for p in learn.model.parameters()]
     with pytest.raises(ValueError, match='saves'): learn.fit(1, cbs=[callback])
     assert learn.train_iter == 0 and all(torch.equal(a, b) for a, b in zip(before, learn.model.parameters()))
+
+
+def test_a_save_from_inside_a_batch_keeps_the_random_states_of_its_start(tmp_path):
+    "A user's callback saving in before_batch (the batch drawn and augmented already): the resume is still exact."
+    class SaveInBatch(Callback):
+        def before_batch(self):
+            if self.training and (self.epoch, self.iter) == (1, 5): self.learn.save_checkpoint(tmp_path / 'in.pt')
+    straight = augmented_learner_with(LOADERS['own_generator'])
+    straight.fit(2)
+    augmented_learner_with(LOADERS['own_generator']).fit(2, cbs=[Checkpoint(tmp_path), SaveInBatch()])
+    assert read_checkpoint(tmp_path / 'in.pt')['progress']['batches_done'] == 5
+    resumed = augmented_learner_with(LOADERS['own_generator'])
+    resumed.fit(2, resume=tmp_path / 'in.pt')
+    assert weights_equal(straight, resumed) and history(straight) == history(resumed)

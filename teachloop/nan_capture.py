@@ -115,8 +115,9 @@ def set_rng_states(states,
         _numpy_state.forget()
     if 'random' in states: random.setstate(states['random'])
     notes = _set_cuda_rng_states(states.get('cuda'))
-    if notes and warn: warnings.warn(f"random states restored only in part: {'; '.join(notes)}; the steps that draw from "
-                            "those generators (dropout on a GPU) will not repeat exactly", stacklevel=2)
+    if notes and warn:
+        warnings.warn(f"random states restored only in part: {'; '.join(notes)}; the steps that draw from "
+                      "those generators (dropout on a GPU) will not repeat exactly", stacklevel=2)
     return notes
 
 def _set_cuda_rng_states(saved):

@@ -407,11 +407,12 @@ class FailDuringBatch(Callback):
 @pytest.mark.parametrize('event', ['before_batch', 'after_pred'])
 @pytest.mark.parametrize('loader', LOADERS)
 def test_an_error_in_the_middle_of_an_augmented_batch_resumes_exactly(tmp_path, loader, event):
-    "The random states saved are those of the batch boundary, not of the moment the error came (batch drawn, dropout run)."
+    "The random states saved are those of the batch boundary, not of the error's moment (batch drawn, dropout run)."
     straight = augmented_learner_with(LOADERS[loader])
     straight.fit(2)
     failed = augmented_learner_with(LOADERS[loader])
-    with pytest.raises(RuntimeError, match='played'): failed.fit(2, cbs=[Checkpoint(tmp_path), FailDuringBatch(5, event)])
+    with pytest.raises(RuntimeError, match='played'):
+        failed.fit(2, cbs=[Checkpoint(tmp_path), FailDuringBatch(5, event)])
     assert read_checkpoint(tmp_path / 'interrupted.pt')['progress']['batches_done'] == 5
     resumed = augmented_learner_with(LOADERS[loader])
     resumed.fit(2, resume=tmp_path / 'interrupted.pt')
@@ -419,7 +420,7 @@ def test_an_error_in_the_middle_of_an_augmented_batch_resumes_exactly(tmp_path, 
 
 
 def test_a_save_at_an_epochs_end_before_a_tracker_has_seen_it_is_refused_for_resume_not_resumed_wrongly(tmp_path):
-    "EarlyStopping (order 55) not yet told of the epoch: a resume would skip its part of it, so it is refused and says why."
+    "EarlyStopping (order 55) not yet told of the epoch: a resume would skip its part, so it is refused, saying why."
     class SaveAtEpochEnd(Callback):
         order = 0
         def after_epoch(self):

@@ -496,6 +496,7 @@ def test_a_replay_on_a_machine_with_fewer_gpus_says_so_in_its_report(tmp_path, m
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 0)
     with pytest.warns(UserWarning, match='read with 2 GPU'):
-        report = replay_nan(quiet_learner(digits_dls(bs=32), dropout_sqrt_model(), F.cross_entropy), tmp_path / 'two-gpus.pt')
+        fresh = quiet_learner(digits_dls(bs=32), dropout_sqrt_model(), F.cross_entropy)
+        report = replay_nan(fresh, tmp_path / 'two-gpus.pt')
     assert report.recurred and not report.rng_exact
     assert any('read with 2 GPU' in note for note in report.notes) and 'read with 2 GPU' in str(report)

@@ -17,8 +17,8 @@ import torch
 
 from .learner import (Callback, CancelFitException, Learner, atomic_save, check_save_folder, check_save_path,
                                check_state_matches)
-from .nan_capture import (check_count, optimizer_with_state, restore_training_state, rng_states, saveable_rng,
-                                   set_rng_states)
+from .nan_capture import (check_count, optimizer_with_state, restore_training_state, rng_readers, rng_states,
+                                   saveable_rng, set_rng_states)
 
 # %% auto #0
 __all__ = ['FORMAT', 'loader_generators', 'recorder_state', 'load_recorder_state', 'load_epoch_in_progress', 'epoch_rows',
@@ -64,10 +64,10 @@ def _stateful_callbacks(learn):
 def _has_recorder(learn): return any(cb.name == 'recorder' for cb in learn.cbs)
 
 def _epoch_start(learn, epoch):
-    "The loader states a callback noted at the start of `epoch`, or None."
+    "What a callback noted at the start of `epoch` (the loader's generators, the random states), or None."
     for cb in learn.cbs:
         noted = getattr(cb, 'epoch_start', None)
-        if isinstance(noted, dict) and noted.get('epoch') == epoch: return noted['train']
+        if isinstance(noted, dict) and noted.get('epoch') == epoch: return noted
     return None
 
 def epoch_rows(learn):
@@ -79,29 +79,47 @@ def epoch_rows(learn):
         if pending is not None and pending[0] == epochs_done - 1: rows.append(pending)
     return rows
 
+def _behind(learn, epochs_done):
+    "The callbacks that count the epoch ends they have seen (`epochs_seen`) and have not seen all `epochs_done` yet."
+    return [cb.name for cb in learn.cbs if getattr(cb, 'epochs_seen', epochs_done) < epochs_done]
+
 def _progress(learn, rows):
     epochs_done, batches_done = divmod(learn.train_iter, len(learn.dls.train))
     rows_complete = rows is None or len(rows) == epochs_done
     epoch_start = _epoch_start(learn, epochs_done) if batches_done else None
-    return {'epochs_done': epochs_done, 'batches_done': batches_done, 'epoch_start': epoch_start,
-            'resumable': rows_complete and (batches_done == 0 or epoch_start is not None), 'n_epoch': learn.n_epoch,
+    behind = _behind(learn, epochs_done)
+    return {'epochs_done': epochs_done, 'batches_done': batches_done, 'behind': behind,
+            'epoch_start': epoch_start and epoch_start['train'],
+            'epoch_start_rng': epoch_start and epoch_start.get('rng') and saveable_rng(epoch_start['rng']),
+            'resumable': rows_complete and not behind and (batches_done == 0 or epoch_start is not None),
+            'n_epoch': learn.n_epoch,
             'train_iter': learn.train_iter, 'pct_train': learn.pct_train, 'epoch': learn.epoch, 'iter': learn.iter}
 
-def checkpoint_state(learn):
+def _rng_at_batch_start(learn):
+    "The random states a callback noted at the end of the last whole training batch, if `learn` is inside the next one."
+    if not learn.training: return None
+    for cb in learn.cbs:
+        noted = getattr(cb, 'batch_boundary', None)
+        if noted is not None and noted[0] == learn.train_iter: return noted[1]
+    return None
+
+def checkpoint_state(learn,
+                     rng=None,  # the random states to keep; None: those of the batch boundary, or as they are now
+                    ):
     "Everything needed to continue `learn`'s fit exactly: weights, optimizer, callbacks, history, random states, progress."
     if learn.opt is None: learn.create_opt()
     rows = epoch_rows(learn) if _has_recorder(learn) else None
     return {'format': FORMAT, 'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(),
             'callbacks': {cb.name: cb.state_dict() for cb in _stateful_callbacks(learn)},
             'recorder': recorder_state(learn.recorder, rows) if rows is not None else None,
-            'rng': saveable_rng(rng_states()),
+            'rng': saveable_rng(next(r for r in (rng, _rng_at_batch_start(learn), rng_states()) if r is not None)),
             'loaders': {name: [g.get_state() for g in loader_generators(getattr(learn.dls, name))]
                         for name in ('train', 'valid') if getattr(learn.dls, name) is not None},
             'progress': _progress(learn, rows)}
 
-def save_checkpoint(learn, path):
-    "Write `checkpoint_state(learn)` to `path` atomically (a temporary file, then a rename); return the path."
-    atomic_save(checkpoint_state(learn), path)
+def save_checkpoint(learn, path, rng=None):
+    "Write `checkpoint_state(learn, rng)` to `path` atomically (a temporary file, then a rename); return the path."
+    atomic_save(checkpoint_state(learn, rng), path)
     return path
 
 # %% ../nbs/13_checkpoint.ipynb #c013
@@ -127,12 +145,17 @@ def check_checkpoint_fits(learn, state, n_epoch, cbs=()):
     optimizer_with_state(learn, state['opt'])  # a trial load: an optimizer of another kind fails here, not mid-fit
     _check_callbacks_present(state, learn.cbs + list(cbs))
     progress = state['progress']
+    if progress.get('behind'):
+        raise ValueError(f"this checkpoint was written at the end of epoch {progress['epochs_done'] - 1} before "
+                         f"{progress['behind']} had finished that epoch (they run after the callback that saved it): a "
+                         "resume would skip their part of it. Save from a callback whose `order` is above theirs, or "
+                         "with the Checkpoint callback. Its weights are good: `learn.load_checkpoint(path)` loads them")
     if not progress['resumable']:
         raise ValueError(f"this checkpoint was written in the middle of epoch {progress['epoch']} (after "
                          f"{progress['train_iter']} training steps) without the loader's state at the epoch's start; a "
                          "fit resumes from the end of an epoch, or from within its training phase when a Checkpoint "
                          "callback was part of the fit. Its weights are good: `learn.load_checkpoint(path)` loads them")
-    if progress['batches_done'] and not loader_generators(learn.dls.train):
+    if progress['batches_done'] and not loader_generators(learn.dls.train) and not progress.get('epoch_start_rng'):
         raise ValueError("resuming in the middle of an epoch needs a training loader with its own torch.Generator "
                          "(DataLoader(..., generator=...)), so that the epoch's order can be drawn again")
     if progress['epochs_done'] >= n_epoch:
@@ -189,13 +212,16 @@ class Resume(Callback):
     def before_train(self):
         if self._epoch_in_progress is not None:
             if _has_recorder(self.learn): load_epoch_in_progress(self.recorder, self._epoch_in_progress)
-            # Re-drawing the skipped batches may draw from the random generators (a dataset's augmentation): they
-            # are put back as they were at the checkpoint before the first batch after it is drawn.
+            # The epoch's order may be drawn from the global generators (a sampler without its own generator) and
+            # the skipped batches may draw from them too (augmentation): both are drawn again from the epoch's start,
+            # and the states of the checkpoint's batch boundary are put back before the first batch after it is drawn.
+            epoch_start_rng = self.state['progress'].get('epoch_start_rng')
+            if epoch_start_rng: set_rng_states(epoch_start_rng, warn=False)
             self.learn.after_skipping = self._restore_rng
         self._epoch_in_progress = None
 
     def _restore_rng(self):
-        set_rng_states(self.state['rng'])
+        set_rng_states(self.state['rng'], warn=False)  # restore_checkpoint has warned of what does not fit
         self.learn.after_skipping = None
 
     def after_train(self): self.learn.skip_batches, self.learn.after_skipping = 0, None
@@ -226,20 +252,34 @@ class Checkpoint(Callback):
         self.folder = check_save_folder(folder, 'Checkpoint folder')
         self.every_n_epochs, self.keep = every_n_epochs, keep
         self.epoch_start, self._in_step, self._ended, self._written = None, False, False, []
+        self._read_rng, self.batch_boundary = rng_readers(cached_numpy=True), None
 
     @property
     def latest(self): return self.folder / 'latest.pt'
 
-    def before_fit(self): self._in_step, self._ended = False, False
+    def before_fit(self):
+        self.folder = check_save_folder(self.folder, 'Checkpoint folder')  # again: it may have changed since
+        self._in_step, self._ended, self.batch_boundary = False, False, None
     def before_train(self):
-        self.epoch_start = {'epoch': self.epoch, 'train': [g.get_state() for g in loader_generators(self.dls.train)]}
+        rng = self._random_states()
+        self.epoch_start = {'epoch': self.epoch, 'train': [g.get_state() for g in loader_generators(self.dls.train)],
+                            'rng': rng}
+        self.batch_boundary = (self.train_iter, rng)
     def before_step(self): self._in_step = True
-    def after_batch(self): self._in_step = False
+    def after_batch(self):
+        self._in_step = False
+        if self.learn.training: self.batch_boundary = (self.learn.train_iter, self._random_states())
     def after_fit(self): self._ended = True
+
+    def _random_states(self): return {name: read() for name, read in self._read_rng.items()}
 
     def cleanup_fit(self):
         if self._ended or self._in_step or self.train_iter == 0: return
-        path = save_checkpoint(self.learn, self.folder / 'interrupted.pt')
+        # An exception inside a batch comes after the batch was drawn and maybe after dropout drew: the random
+        # states to resume from are those of the end of the last whole batch (or of the epoch's start).
+        at_boundary = self.batch_boundary is not None and self.batch_boundary[0] == self.train_iter
+        rng = self.batch_boundary[1] if at_boundary else None  # the learner has left its training phase by now
+        path = save_checkpoint(self.learn, self.folder / 'interrupted.pt', rng)
         print(f"Checkpoint: the fit was interrupted; `fit({self.n_epoch}, resume={str(path)!r})` continues it")
 
     def after_epoch(self):
@@ -271,7 +311,7 @@ class TrackerCallback(Callback):
         check_mode(mode)
         if not isinstance(min_delta, (int, float)) or min_delta < 0: raise ValueError(f"min_delta must be >= 0, got {min_delta!r}")
         self.monitor, self.mode, self.min_delta = monitor, mode, min_delta
-        self.best, self.improved, self.wait = None, False, 0
+        self.best, self.improved, self.wait, self.epochs_seen = None, False, 0, 0
 
     def before_fit(self):
         if not any(cb.name == 'recorder' for cb in self.learn.cbs):
@@ -280,16 +320,20 @@ class TrackerCallback(Callback):
         if self.monitor not in names: raise ValueError(f"monitor {self.monitor!r} is not recorded; choose one of {names}")
         self._index = self.recorder.metric_names.index(self.monitor)
         self.best, self.improved, self.wait = (math.inf if self.mode == 'min' else -math.inf), False, 0
+        self.epochs_seen = 0
 
     def after_epoch(self):
+        # counted first: a checkpoint taken before this runs is one this callback has not finished (see `_behind`)
+        self.epochs_seen = self.epoch + 1
         value = self.recorder.values[-1][self._index]
         if self.mode == 'min': self.improved = value < self.best - self.min_delta
         else: self.improved = value > self.best + self.min_delta
         if self.improved: self.best, self.wait = value, 0
         else: self.wait += 1
 
-    def state_dict(self): return {'best': self.best, 'wait': self.wait}
-    def load_state_dict(self, state): self.best, self.wait = state['best'], state['wait']
+    def state_dict(self): return {'best': self.best, 'wait': self.wait, 'epochs_seen': self.epochs_seen}
+    def load_state_dict(self, state):
+        self.best, self.wait, self.epochs_seen = state['best'], state['wait'], state.get('epochs_seen', math.inf)
 
 # %% ../nbs/13_checkpoint.ipynb #c030
 class SaveModel(TrackerCallback):
@@ -297,6 +341,10 @@ class SaveModel(TrackerCallback):
     def __init__(self, monitor, mode, path, min_delta=0.):
         super().__init__(monitor, mode, min_delta)
         self.path = check_save_path(path, 'model.pt', 'SaveModel path')
+
+    def before_fit(self):
+        super().before_fit()
+        self.path = check_save_path(self.path, None, 'SaveModel path')  # again: it may have changed since
 
     def after_epoch(self):
         super().after_epoch()

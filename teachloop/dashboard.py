@@ -594,13 +594,18 @@ _SLIDERS = {  # name: (description, log scale, min, max, step)
     'wd': ('wd', True, -6, 0, 0.1),
 }
 
+def _slider_value(name, value):
+    "`value` within the range of `name`'s slider."
+    _, log, low, high, _ = _SLIDERS[name]
+    return max(value, 10. ** low) if log else min(max(value, low), high)
+
 def _slider(name, value):
     import ipywidgets as widgets
     description, log, low, high, step = _SLIDERS[name]
     common = dict(description=description, continuous_update=False, readout_format='.2e' if log else '.4f',
-                  layout=widgets.Layout(width='320px'))
-    if log: slider = widgets.FloatLogSlider(value=max(value, 10. ** low), base=10, min=low, max=high, step=step, **common)
-    else: slider = widgets.FloatSlider(value=min(max(value, low), high), min=low, max=high, step=step, **common)
+                  layout=widgets.Layout(width='320px'), value=_slider_value(name, value))
+    if log: slider = widgets.FloatLogSlider(base=10, min=low, max=high, step=step, **common)
+    else: slider = widgets.FloatSlider(min=low, max=high, step=step, **common)
     slider.add_class(f'tl-{name.replace("_", "-")}-slider')
     return slider
 
@@ -609,7 +614,7 @@ class DashboardWidget:
     "Status line, figure, sliders and buttons; the sliders and buttons only write into `controls`."
     def __init__(self, controls:FitControls):
         import ipywidgets as widgets
-        self.controls, self.sliders = controls, {}
+        self.controls, self.sliders, self._showing = controls, {}, False
         self.status = widgets.HTML('waiting for the fit to start')
         self.image = widgets.Image(format='png')
         self.pause_button = widgets.Button(description='Pause', icon='pause', disabled=True)
@@ -622,24 +627,36 @@ class DashboardWidget:
         self.box.add_class('tl-dashboard')
 
     def start_fit(self, opt, held, can_steer):
-        "Sliders for the optimizer's hyper-parameters at their current (or held) values; buttons on if `can_steer`."
-        names = [n for n in _SLIDERS if n in opt.param_groups[-1]]
-        if sorted(self.sliders) != sorted(names):
-            self.sliders = {n: _slider(n, held.get(n, opt.param_groups[-1][n])) for n in names}
+        "Sliders for the optimizer's hyper-parameters at their current (or held) values; all on if `can_steer`."
+        values = {n: held.get(n, opt.param_groups[-1][n]) for n in _SLIDERS if n in opt.param_groups[-1]}
+        if sorted(self.sliders) != sorted(values):
+            self.sliders = {n: _slider(n, value) for n, value in values.items()}
             for name, slider in self.sliders.items(): slider.observe(self._requester(name), names='value')
             self.slider_box.children = list(self.sliders.values())
-        self.pause_button.disabled = self.stop_button.disabled = not can_steer
+        else: self._show_values(values)  # a slider moved since the last fit shows what this one uses
+        self._enable(can_steer)
         self.pause_button.description = 'Pause'
 
-    def end_fit(self):
-        self.pause_button.disabled = self.stop_button.disabled = True
+    def end_fit(self): self._enable(False)  # a request between fits would belong to no fit
+
+    def _enable(self, on):
+        for control in (*self.sliders.values(), self.pause_button, self.stop_button): control.disabled = not on
+
+    def _show_values(self, values):
+        "Set the sliders to `values` without requesting them."
+        self._showing = True
+        try:
+            for name, value in values.items(): self.sliders[name].value = _slider_value(name, value)
+        finally: self._showing = False
 
     def show_frame(self, png, status, frame):
         self.image.value = png
         self.status.value = f'<code>{status} · frame <span class="tl-frame">{frame}</span></code>'
 
     def _requester(self, name):
-        return lambda change: self.controls.set_hyper(name, change['new'])
+        def request(change):
+            if not self._showing: self.controls.set_hyper(name, change['new'])
+        return request
 
     def _toggle_pause(self, _):
         if self.controls.paused: self.controls.resume()

@@ -105,7 +105,9 @@ def saveable_rng(states):
     "`states` with numpy's state as tensors and numbers, so that `torch.load(weights_only=True)` accepts it."
     return {**states, 'numpy': _plain(states['numpy'])} if 'numpy' in states else states
 
-def set_rng_states(states):
+def set_rng_states(states,
+                   warn=True,  # warn of the generators that could not be restored (they are returned either way)
+                  ):
     "Put every generator back in the state `rng_states` (or `saveable_rng`) read; warn of, and return, what could not be."
     torch.set_rng_state(states['torch'])
     if 'numpy' in states:
@@ -113,8 +115,9 @@ def set_rng_states(states):
         _numpy_state.forget()
     if 'random' in states: random.setstate(states['random'])
     notes = _set_cuda_rng_states(states.get('cuda'))
-    if notes: warnings.warn(f"random states restored only in part: {'; '.join(notes)}; the steps that draw from "
-                            "those generators (dropout on a GPU) will not repeat exactly", stacklevel=2)
+    if notes and warn:
+        warnings.warn(f"random states restored only in part: {'; '.join(notes)}; the steps that draw from "
+                      "those generators (dropout on a GPU) will not repeat exactly", stacklevel=2)
     return notes
 
 def _set_cuda_rng_states(saved):
@@ -240,8 +243,9 @@ class NaNCapture(Callback):
         if rngs not in ('auto', 'every_step'): raise ValueError(f"rngs must be 'auto' or 'every_step', got {rngs!r}")
         if sync_free is not None and not isinstance(sync_free, bool):
             raise ValueError(f"sync_free must be None, True or False, got {sync_free!r}")
-        path = check_save_path(path, capture_file_name(), 'NaNCapture path')
-        self.path, self.check_every, self.rngs, self.sync_free = os.fspath(path), check_every, rngs, sync_free
+        self._target = path  # a file, or a folder whose file is named when each fit begins
+        self.path = self._capture_path()
+        self.check_every, self.rngs, self.sync_free = check_every, rngs, sync_free
         self.name, self.captured, self._readers, self._pending = 'nan_capture', None, rng_readers(cached_numpy=True), None
 
     @property
@@ -249,7 +253,13 @@ class NaNCapture(Callback):
         "The generators whose states are read at the start of every checked step (all of them until the first has run)."
         return list(self._readers)
 
+    def _capture_path(self):
+        "The file to write, checked: a folder's file name has the rank of the process as it is now."
+        return os.fspath(check_save_path(self._target, capture_file_name(), 'NaNCapture path'))
+
     def before_fit(self):
+        # Checked again before the first step: the folder may have changed since, or torch.distributed started
+        self.path = self._capture_path()
         self._named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self._params = [p for _, p in self._named]
         devices = {p.device for p in self._params}
@@ -360,7 +370,7 @@ class NaNReport:
     source: str | None  # the line of Python whose forward operation that was
     epoch: int = 0
     iter: int = 0
-    rng_exact: bool = True  # False: the replayed model and loss drew from a generator whose state is from the step's end
+    rng_exact: bool = True  # False: a generator's state was read at the step's end, or not restored (another GPU count)
     notes: list = field(default_factory=list)
 
     def __str__(self):
@@ -454,7 +464,7 @@ def replay_nan(learn, path):
     xb, yb = to_device(capture['batch'], device, non_blocking=False)
     learn.model.train()
     learn.opt.zero_grad()
-    set_rng_states(capture['rng'])
+    not_restored = set_rng_states(capture['rng'])  # warns, and the report says it too
     try:
         loss, forward_bad, backward_bad = _replay_step(learn, xb, yb)
         bad = nonfinite_grads(learn.model.named_parameters())
@@ -466,10 +476,12 @@ def replay_nan(learn, path):
     node = backward_bad[0] if backward_bad else None
     read_late = [name for name in moved if capture.get('rng_read_at', {}).get(name) == 'end']
     notes = [] if capture['weights_finite'] else ['(the captured weights were already non-finite)']
+    notes += [f"(random states not restored exactly: {note})" for note in not_restored]
     if read_late:
         notes.append(f"(the step drew from the {' and '.join(read_late)} random generator, whose state was read at the "
                      "end of the captured step, not at its start: the replay may differ from the original step; "
                      "capture with NaNCapture(..., rngs='every_step'))")
     return NaNReport(recurred=bool(bad), bad_params=bad, loss=float(loss), first_forward=(forward_bad or [None])[0],
                      first_backward=node.name() if node is not None else None, source=_source_line(node) if node else None,
-                     epoch=capture['epoch'], iter=capture['iter'], rng_exact=not read_late, notes=notes)
+                     epoch=capture['epoch'], iter=capture['iter'], rng_exact=not read_late and not not_restored,
+                     notes=notes)

@@ -369,3 +369,100 @@ def test_a_ctrl_c_while_an_augmented_batch_is_drawn_resumes_exactly(tmp_path):
     resumed = augmented_learner()
     resumed.fit(2, resume=tmp_path / 'interrupted.pt')
     assert weights_equal(straight, resumed) and history(straight) == history(resumed)
+
+
+def augmented_learner_with(train_loader_args):
+    "The augmented digits with the training loader built from `train_loader_args(dataset)`, and dropout drawing too."
+    from teachloop.data import DataLoaders, load_digits_tensors
+    x, y = load_digits_tensors()
+    dataset = Augmented(x[:1024], y[:1024])
+    train = torch.utils.data.DataLoader(dataset, batch_size=64, **train_loader_args(dataset))
+    valid = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[1024:], y[1024:]), batch_size=256)
+    torch.manual_seed(0)
+    learn = Learner(DataLoaders(train, valid), Dropout(), F.cross_entropy, lr=3e-3)
+    learn.progress.show_bar, learn.progress.print_rows = False, False
+    return learn
+
+
+LOADERS = {
+    'own_generator': lambda ds: dict(shuffle=True, generator=torch.Generator().manual_seed(0)),
+    # the sampler draws its permutation from torch's global generator, the loader only its workers' base seed
+    'sampler_on_global_rng': lambda ds: dict(sampler=torch.utils.data.RandomSampler(ds),
+                                             generator=torch.Generator().manual_seed(0)),
+    'no_generator': lambda ds: dict(shuffle=True),
+}
+
+
+class FailDuringBatch(Callback):
+    "An error in the forward pass of training batch `at` of epoch 1, after the batch was drawn (and augmented)."
+    def __init__(self, at, event): self.at, self.event = at, event
+    def _fail(self):
+        if self.training and (self.epoch, self.iter) == (1, self.at): raise RuntimeError('out of memory (played)')
+    def before_batch(self):
+        if self.event == 'before_batch': self._fail()
+    def after_pred(self):
+        if self.event == 'after_pred': self._fail()
+
+
+@pytest.mark.parametrize('event', ['before_batch', 'after_pred'])
+@pytest.mark.parametrize('loader', LOADERS)
+def test_an_error_in_the_middle_of_an_augmented_batch_resumes_exactly(tmp_path, loader, event):
+    "The random states saved are those of the batch boundary, not of the error's moment (batch drawn, dropout run)."
+    straight = augmented_learner_with(LOADERS[loader])
+    straight.fit(2)
+    failed = augmented_learner_with(LOADERS[loader])
+    with pytest.raises(RuntimeError, match='played'):
+        failed.fit(2, cbs=[Checkpoint(tmp_path), FailDuringBatch(5, event)])
+    assert read_checkpoint(tmp_path / 'interrupted.pt')['progress']['batches_done'] == 5
+    resumed = augmented_learner_with(LOADERS[loader])
+    resumed.fit(2, resume=tmp_path / 'interrupted.pt')
+    assert weights_equal(straight, resumed) and history(straight) == history(resumed)
+
+
+def test_a_save_at_an_epochs_end_before_a_tracker_has_seen_it_is_refused_for_resume_not_resumed_wrongly(tmp_path):
+    "EarlyStopping (order 55) not yet told of the epoch: a resume would skip its part, so it is refused, saying why."
+    class SaveAtEpochEnd(Callback):
+        order = 0
+        def after_epoch(self):
+            if self.epoch == 0: self.learn.save_checkpoint(tmp_path / 'end.pt')
+    values = [0.5, 0.6, 0.4, 0.7]
+    first = scripted_learner(values)
+    first.fit(1, cbs=[EarlyStopping('score', 'min', patience=1), SaveAtEpochEnd()])
+    fresh = scripted_learner(values)
+    before = [p.detach().clone() for p in fresh.model.parameters()]
+    with pytest.raises(ValueError, match=r"before \['early_stopping'\] had finished"):
+        fresh.fit(4, cbs=[EarlyStopping('score', 'min', patience=1)], resume=tmp_path / 'end.pt')
+    assert all(torch.equal(a, b) for a, b in zip(before, fresh.model.parameters())) and fresh.opt is None
+    SaveAtEpochEnd.order = 60  # after the tracker: the same save resumes exactly
+    whole, stopper = scripted_learner(values), EarlyStopping('score', 'min', patience=1)
+    whole.fit(4, cbs=[stopper])
+    scripted_learner(values).fit(1, cbs=[EarlyStopping('score', 'min', patience=1), SaveAtEpochEnd()])
+    resumed, resumed_stopper = scripted_learner(values), EarlyStopping('score', 'min', patience=1)
+    resumed.fit(4, cbs=[resumed_stopper], resume=tmp_path / 'end.pt')
+    assert resumed_stopper.stopped_epoch == stopper.stopped_epoch == 1 and weights_equal(whole, resumed)
+
+
+@pytest.mark.parametrize('make', [lambda folder: Checkpoint(folder),
+                                  lambda folder: SaveModel('valid_loss', 'min', folder / 'best.pt')])
+def test_a_save_folder_spoiled_after_the_callback_was_made_is_refused_before_the_first_step(tmp_path, make):
+    "The folder replaced by a file between making the callback and the fit: refused in before_fit, nothing trained."
+    callback = make(tmp_path / 'saves')
+    (tmp_path / 'saves').write_text('not a folder')
+    learn = make_learner()
+    before = [p.detach().clone() for p in learn.model.parameters()]
+    with pytest.raises(ValueError, match='saves'): learn.fit(1, cbs=[callback])
+    assert learn.train_iter == 0 and all(torch.equal(a, b) for a, b in zip(before, learn.model.parameters()))
+
+
+def test_a_save_from_inside_a_batch_keeps_the_random_states_of_its_start(tmp_path):
+    "A user's callback saving in before_batch (the batch drawn and augmented already): the resume is still exact."
+    class SaveInBatch(Callback):
+        def before_batch(self):
+            if self.training and (self.epoch, self.iter) == (1, 5): self.learn.save_checkpoint(tmp_path / 'in.pt')
+    straight = augmented_learner_with(LOADERS['own_generator'])
+    straight.fit(2)
+    augmented_learner_with(LOADERS['own_generator']).fit(2, cbs=[Checkpoint(tmp_path), SaveInBatch()])
+    assert read_checkpoint(tmp_path / 'in.pt')['progress']['batches_done'] == 5
+    resumed = augmented_learner_with(LOADERS['own_generator'])
+    resumed.fit(2, resume=tmp_path / 'in.pt')
+    assert weights_equal(straight, resumed) and history(straight) == history(resumed)

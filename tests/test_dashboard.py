@@ -462,3 +462,24 @@ def test_a_background_fit_owns_its_learner_from_the_moment_it_is_started():
     finally: release.set()
     handle.wait(60)
     assert len(learn.validate()) == 1  # free again once it is over: the validation loss
+
+
+def test_the_sliders_show_the_values_in_effect_and_steer_only_while_they_can():
+    "A slider moved between fits (or during a blocking fit, whose messages arrive after it) is not the next fit's."
+    pytest.importorskip('ipywidgets')
+    learn = digits_learner(opt_func=Adam)
+    dashboard = TrainingDashboard(refresh=1e9, live=True)
+    seen = {}
+    class Look(Callback):
+        order = 80
+        def before_batch(self):
+            if self.train_iter == 2:
+                seen['enabled'] = not dashboard.widget.sliders['lr'].disabled
+                seen['shown'] = dashboard.widget.sliders['lr'].value
+    fit_background(learn, 1, cbs=[dashboard, Look()]).wait(timeout=120)
+    assert seen['enabled'] and all(s.disabled for s in dashboard.widget.sliders.values())
+    dashboard.widget.sliders['lr'].value = 0.5  # after the fit: a request no fit will take
+    learn.fit(1, cbs=[dashboard, Look()])
+    assert not seen['enabled']  # a blocking fit: a moved slider would reach it only after it ended
+    assert seen['shown'] == pytest.approx(3e-3) and set(learn.recorder.hps['lr']) == {3e-3}
+    assert dashboard.changes == [] and dashboard.controls.requested_hypers()[0] == {}  # showing is not requesting

@@ -457,3 +457,46 @@ def test_a_cpu_checkpoint_resumes_on_the_gpu_with_a_note(tmp_path):
     states = nan_capture.rng_states()
     states.pop('cuda', None)
     with pytest.warns(UserWarning, match='without a GPU'): nan_capture.set_rng_states(states)
+
+
+def test_a_capture_folder_gets_the_rank_of_the_fit_not_of_the_moment_the_callback_was_made(tmp_path):
+    "Callbacks are often made before torch.distributed starts: the rank in the file name is read when the fit begins."
+    import torch.distributed as dist
+    (tmp_path / 'captures').mkdir()
+    capture = NaNCapture(tmp_path / 'captures')
+    assert capture.path == str(tmp_path / 'captures' / 'nan-capture.pt')
+    dist.init_process_group('gloo', init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        learn = quiet_learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, cbs=[capture, NaNGradientAt(2)])
+        learn.fit(1)
+    finally: dist.destroy_process_group()
+    assert sorted(p.name for p in (tmp_path / 'captures').iterdir()) == ['nan-capture-rank0.pt']
+    assert load_capture(tmp_path / 'captures' / 'nan-capture-rank0.pt')['train_iter'] == 2
+
+
+def test_a_capture_path_spoiled_after_the_callback_was_made_is_refused_before_the_first_step(tmp_path):
+    "The folder replaced by a file between making the callback and the fit: refused in before_fit, no step taken."
+    capture = NaNCapture(tmp_path / 'captures' / 'nan.pt')
+    (tmp_path / 'captures').write_text('not a folder')
+    learn = quiet_learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, cbs=[capture, NaNGradientAt(2)])
+    before = [p.detach().clone() for p in learn.model.parameters()]
+    with pytest.raises(ValueError, match='captures'): learn.fit(1)
+    assert learn.train_iter == 0 and all(torch.equal(a, b) for a, b in zip(before, learn.model.parameters()))
+
+
+def test_a_replay_on_a_machine_with_fewer_gpus_says_so_in_its_report(tmp_path, monkeypatch):
+    "A capture whose states were read with 2 GPUs, replayed with none: the report is not exact and its notes say why."
+    torch.manual_seed(0)
+    learn = quiet_learner(digits_dls(bs=32), dropout_sqrt_model(), F.cross_entropy,
+                          cbs=[NaNCapture(tmp_path / 'nan.pt')])
+    learn.fit(1)
+    capture = load_capture(tmp_path / 'nan.pt')
+    capture['rng']['cuda'] = [torch.zeros(16, dtype=torch.uint8)] * 2  # as a machine with two GPUs would have written
+    torch.save(capture, tmp_path / 'two-gpus.pt')
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+    monkeypatch.setattr(torch.cuda, 'device_count', lambda: 0)
+    with pytest.warns(UserWarning, match='read with 2 GPU'):
+        fresh = quiet_learner(digits_dls(bs=32), dropout_sqrt_model(), F.cross_entropy)
+        report = replay_nan(fresh, tmp_path / 'two-gpus.pt')
+    assert report.recurred and not report.rng_exact
+    assert any('read with 2 GPU' in note for note in report.notes) and 'read with 2 GPU' in str(report)

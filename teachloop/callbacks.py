@@ -14,25 +14,15 @@ from functools import partial
 
 import torch
 
+from .core import default_device, to_device
 from .learner import Callback
 from .optimizer import Optimizer
 
 # %% auto #0
-__all__ = ['default_device', 'to_device', 'state_to_params_devices', 'DeviceCallback', 'accuracy', 'smooth_values', 'hypers_read',
-           'Recorder', 'plot_loss', 'plot_sched', 'format_row', 'ProgressCallback', 'StepUndo', 'MixedPrecision']
+__all__ = ['state_to_params_devices', 'DeviceCallback', 'accuracy', 'smooth_values', 'hypers_read', 'Recorder', 'plot_loss',
+           'plot_sched', 'format_row', 'ProgressCallback', 'StepUndo', 'MixedPrecision']
 
 # %% ../nbs/03_callbacks.ipynb #c004
-def default_device():
-    "CUDA when available, else the CPU."
-    return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-
-def to_device(batch, device, non_blocking=True):
-    "Move every tensor of a (possibly nested) tuple or list to `device`."
-    if isinstance(batch, torch.Tensor):
-        return batch if batch.device == device else batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, (list, tuple)): return type(batch)([to_device(b, device, non_blocking) for b in batch])
-    return batch
-
 def state_to_params_devices(opt):
     "Move optimizer state left behind by a model that moved (e.g. loaded on the CPU before the first fit) to its parameters."
     torch_opt = getattr(opt, 'opt', opt)  # the torch optimizer inside an `OptimWrapper`

@@ -15,25 +15,16 @@ from pathlib import Path
 
 import torch
 
-from .learner import (Callback, CancelFitException, Learner, atomic_save, check_save_folder, check_save_path,
-                               check_state_matches)
-from .nan_capture import (check_count, optimizer_with_state, restore_training_state, rng_readers, rng_states,
-                                   saveable_rng, set_rng_states)
+from .core import atomic_save, check_count, check_mode, check_save_folder, check_save_path
+from .learner import (Callback, CancelFitException, Learner, check_state_matches, optimizer_with_state,
+                               restore_training_state)
+from .random_state import loader_generators, rng_readers, rng_states, saveable_rng, set_rng_states
 
 # %% auto #0
-__all__ = ['FORMAT', 'loader_generators', 'recorder_state', 'load_recorder_state', 'load_epoch_in_progress', 'epoch_rows',
-           'checkpoint_state', 'save_checkpoint', 'read_checkpoint', 'check_checkpoint_fits', 'restore_checkpoint',
-           'load_checkpoint', 'Resume', 'replace_with_link', 'Checkpoint', 'check_mode', 'TrackerCallback', 'SaveModel',
-           'EarlyStopping', 'ReduceLROnPlateau']
-
-# %% ../nbs/13_checkpoint.ipynb #c005
-def loader_generators(dl):
-    "The `torch.Generator`s that decide the order of `dl`'s batches: its own and its sampler's, each once."
-    found = []
-    for owner in (dl, getattr(dl, 'sampler', None), getattr(getattr(dl, 'batch_sampler', None), 'sampler', None)):
-        generator = getattr(owner, 'generator', None)
-        if isinstance(generator, torch.Generator) and all(generator is not g for g in found): found.append(generator)
-    return found
+__all__ = ['FORMAT', 'recorder_state', 'load_recorder_state', 'load_epoch_in_progress', 'epoch_rows', 'checkpoint_state',
+           'save_checkpoint', 'read_checkpoint', 'check_checkpoint_fits', 'restore_checkpoint', 'load_checkpoint',
+           'Resume', 'replace_with_link', 'Checkpoint', 'TrackerCallback', 'SaveModel', 'EarlyStopping',
+           'ReduceLROnPlateau']
 
 # %% ../nbs/13_checkpoint.ipynb #c009
 def _cpu_tensor(tensors): return torch.cat([t.detach().cpu().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
@@ -252,7 +243,7 @@ class Checkpoint(Callback):
         self.folder = check_save_folder(folder, 'Checkpoint folder')
         self.every_n_epochs, self.keep = every_n_epochs, keep
         self.epoch_start, self._in_step, self._ended, self._written = None, False, False, []
-        self._read_rng, self.batch_boundary = rng_readers(cached_numpy=True), None
+        self._read_rng, self.batch_boundary = rng_readers(host=False), None
 
     @property
     def latest(self): return self.folder / 'latest.pt'
@@ -294,12 +285,6 @@ class Checkpoint(Callback):
             self._written = self._written[-self.keep:]
 
 # %% ../nbs/13_checkpoint.ipynb #c028
-def check_mode(mode):
-    "Raise `ValueError` unless `mode` is 'min' or 'max'."
-    if mode not in ('min', 'max'):
-        raise ValueError(f"mode must be 'min' (lower is better, a loss) or 'max' (higher is better, an accuracy), got "
-                         f"{mode!r}; it is never guessed from the metric's name")
-
 class TrackerCallback(Callback):
     "Follow the recorded value `monitor` at each epoch's end: `best` so far, `improved`, `wait` epochs since."
     order = 55

@@ -12,7 +12,8 @@ import time
 import torch
 from torch.nn import functional as F
 
-from .callbacks import accuracy, default_device
+from .callbacks import accuracy
+from .core import default_device
 from .data import digits_cnn, digits_dls
 from .learner import Learner
 from .schedule import fit_one_cycle  # adds `Learner.fit_one_cycle`

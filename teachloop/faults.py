@@ -6,31 +6,14 @@ one gets."""
 # %% ../nbs/14_faults.ipynb #c003
 from __future__ import annotations
 
-import os
-import random
-
-import numpy as np
 import torch
 
+from .core import check_count
 from .learner import Callback, CancelFitException
-from .nan_capture import check_count
+from .random_state import set_seed
 
 # %% auto #0
-__all__ = ['set_seed', 'TerminateOnNaN', 'GradientClipping', 'CheckBatch']
-
-# %% ../nbs/14_faults.ipynb #c005
-def set_seed(seed:int,  # the seed for every generator
-             deterministic=False,  # also make PyTorch use deterministic algorithms (slower on a GPU)
-            ):
-    "Seed Python's `random`, numpy and torch (CPU and every CUDA device)."
-    if isinstance(seed, bool) or not isinstance(seed, int): raise TypeError(f"seed must be an int, got {seed!r}")
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)  # seeds the CUDA generators as well
-    if deterministic:
-        os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.benchmark = False
+__all__ = ['TerminateOnNaN', 'GradientClipping', 'CheckBatch']
 
 # %% ../nbs/14_faults.ipynb #c009
 class TerminateOnNaN(Callback):

@@ -12,9 +12,8 @@ import time
 
 import torch
 
-from .callbacks import to_device
 from .callbacks_v1 import check_handler_names, overrides
-from .checkpoint import check_mode
+from .core import check_mode, to_device
 from .learner import Callback, CancelFitException, CancelTrainException
 
 # %% auto #0

@@ -9,7 +9,6 @@ import difflib
 import os
 import re
 import signal
-import tempfile
 import threading
 import warnings
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from .core import atomic_save, check_save_path
 from .interop import norm_and_bias_params
 from .optimizer import Adam, Optimizer, check_hyper
 
@@ -27,8 +27,8 @@ __all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'CancelBatchException'
            'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'TrainEvalCallback', 'default_splitter',
            'Learner', 'add_cbs', 'remove_cbs', 'added_cbs', 'InterruptGate', 'callback_list', 'check_fit_args',
            'create_opt', 'exclusive', 'reserve_for', 'release', 'fit', 'save_checkpoint', 'GatherPreds', 'validate',
-           'get_preds', 'predict', 'atomic_save', 'check_state_matches', 'save', 'load', 'check_save_path',
-           'check_save_folder', 'EventLog']
+           'get_preds', 'predict', 'check_state_matches', 'optimizer_with_state', 'restore_training_state', 'save',
+           'load', 'EventLog']
 
 # %% ../nbs/02_learner.ipynb #c004
 class CancelBatchException(Exception):
@@ -602,19 +602,6 @@ def predict(self, x):
 Learner.validate, Learner.get_preds, Learner.predict = validate, get_preds, predict
 
 # %% ../nbs/02_learner.ipynb #c028
-def atomic_save(obj, path):
-    "`torch.save` `obj` to `path` through a temporary file in the same folder, then rename it into place."
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix='.tmp-', suffix='.pt')
-    try:
-        with os.fdopen(fd, 'wb') as f: torch.save(obj, f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp): os.remove(tmp)
-        raise
-
 def check_state_matches(model, state):
     "Raise `ValueError` if the model state dict `state` does not fit `model` (names and shapes)."
     own = model.state_dict()
@@ -626,6 +613,23 @@ def check_state_matches(model, state):
                          + '; '.join(filter(None, [missing and f"missing {missing[:5]}",
                                                    unexpected and f"unexpected {unexpected[:5]}",
                                                    wrong and f"shapes differ: {wrong[:5]}"])))
+
+def optimizer_with_state(learn, opt_state):
+    "A new optimizer from `learn`'s `opt_func` holding `opt_state` (an error if it does not fit); `learn.opt` stays as it was."
+    previous = learn.opt
+    try:
+        learn.create_opt()
+        opt = learn.opt
+    finally: learn.opt = previous
+    opt.load_state_dict(opt_state)
+    return opt
+
+def restore_training_state(learn, model_state, opt_state):
+    "Load weights and, into a new optimizer, `opt_state`; both are checked first, so a mismatch changes nothing."
+    check_state_matches(learn.model, model_state)
+    opt = optimizer_with_state(learn, opt_state)
+    learn.model.load_state_dict(model_state)
+    learn.opt = opt
 
 def save(self, path, with_opt=True):
     "Save the model (and optimizer) state to `path`, atomically."
@@ -650,40 +654,6 @@ def load(self, path, with_opt=True):
     return self
 
 Learner.save, Learner.load = save, load
-
-# %% ../nbs/02_learner.ipynb #x01
-def _nearest_existing(path):
-    while not path.exists() and path != path.parent: path = path.parent
-    return path
-
-def _check_writable_below(path, what):
-    "Raise unless the folders up to `path` exist or can be made, and the nearest existing one can be written."
-    existing = _nearest_existing(path.parent if not path.is_dir() else path)
-    if not existing.is_dir():
-        raise ValueError(f"cannot write {what} {str(path)!r}: {str(existing)!r} is a file, not a folder")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise ValueError(f"cannot write {what} {str(path)!r}: the folder {str(existing)!r} is not writable")
-
-def check_save_path(path, default_name=None, what='file'):
-    "The file to write for `path`, checked now: a folder (existing, or ending in '/') gets `default_name` inside it."
-    try: text = os.fspath(path)
-    except TypeError: raise TypeError(f"{what} must be a path (str or pathlib.Path), got {type(path).__name__}") from None
-    file = Path(text)
-    if file.is_dir() or text.endswith(('/', os.sep)):
-        if default_name is None:
-            raise ValueError(f"{what} {text!r} is a folder; give the name of a file to write")
-        file = file / default_name
-    if file.is_dir(): raise ValueError(f"{what} {str(file)!r} is a folder; give the name of a file to write")
-    _check_writable_below(file, what)
-    return file
-
-def check_save_folder(folder, what='folder'):
-    "The folder to write files into, checked now: it exists or can be made, and can be written."
-    try: folder = Path(os.fspath(folder))
-    except TypeError: raise TypeError(f"{what} must be a path (str or pathlib.Path), got {type(folder).__name__}") from None
-    if folder.exists() and not folder.is_dir(): raise ValueError(f"{what} {str(folder)!r} is a file, not a folder")
-    _check_writable_below(folder / 'file', what)
-    return folder
 
 # %% ../nbs/02_learner.ipynb #c030
 class EventLog(Callback):

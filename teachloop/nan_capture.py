@@ -6,130 +6,20 @@ step later to find which operation produced the first non-finite value."""
 # %% ../nbs/12_nan_capture.ipynb #c002
 from __future__ import annotations
 
-import ctypes
 import os
-import random
 import warnings
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
-from .callbacks import to_device
-from .learner import Callback, CancelFitException, atomic_save, check_save_path, check_state_matches
+from .core import atomic_save, check_count, check_save_path, to_device
+from .learner import Callback, CancelFitException, restore_training_state
+from .random_state import rng_readers, same_state, saveable_rng, set_rng_states
 
 # %% auto #0
-__all__ = ['NumpyRandomState', 'rng_readers', 'rng_states', 'same_state', 'saveable_rng', 'set_rng_states', 'FiniteCheck',
-           'grads_are_finite', 'nonfinite_grads', 'cloned', 'AsyncFiniteCheck', 'tensors_in', 'PendingCheck',
-           'check_count', 'KeptStep', 'capture_file_name', 'NaNCapture', 'NaNReport', 'load_capture',
-           'optimizer_with_state', 'restore_training_state', 'watch_forward', 'graph_nodes', 'watch_backward',
-           'replay_nan']
-
-# %% ../nbs/12_nan_capture.ipynb #c004
-_has_cuda = torch.cuda.is_available()
-
-def _full_numpy_state():
-    "numpy's global state as its getter gives it: a tuple for MT19937, a dict for any other bit generator."
-    return np.random.get_state(legacy=type(np.random.get_bit_generator()).__name__ == 'MT19937')
-
-class NumpyRandomState:
-    "Reads numpy's global random state; the slow full read happens only when the generator's raw state changed."
-    def __init__(self): self.source, self.last = (None, None), None  # (bit generator, raw state bytes or None)
-
-    def _attach(self, bit_generator):
-        "Use `bit_generator`'s raw state bytes only if they match what numpy's getter reports, byte for byte."
-        raw = None
-        if type(bit_generator).__name__ == 'MT19937':
-            raw = (ctypes.c_char * (624 * 4 + 4)).from_address(bit_generator.ctypes.state_address)
-            _, keys, pos, _, _ = np.random.get_state()
-            if raw.raw != keys.astype(np.uint32).tobytes() + np.int32(pos).tobytes(): raw = None
-        self.last, self.source = None, (bit_generator, raw)  # one assignment each: safe for a reader in another thread
-        return self.source
-
-    def forget(self):
-        "Drop the cached state: the next read is a full one (after numpy's state was set)."
-        self.last = None
-
-    def read(self):
-        bit_generator, raw = self.source
-        if bit_generator is not np.random.get_bit_generator(): bit_generator, raw = self._attach(np.random.get_bit_generator())
-        if raw is None: return _full_numpy_state()
-        raw, last = raw.raw, self.last
-        if last is None or last[0] != raw or last[1][3]:  # changed, or holding a cached normal value
-            state = np.random.get_state()
-            state[1].flags.writeable = False  # shared by every read until the state changes
-            last = self.last = (raw, state)
-        return last[1]
-
-_numpy_state = NumpyRandomState()
-
-def rng_readers(host=True, cached_numpy=False):
-    "A function reading each generator a step may use: torch, CUDA (when present), and with `host` numpy and `random`."
-    readers = {'torch': torch.get_rng_state}
-    if _has_cuda: readers['cuda'] = torch.cuda.get_rng_state_all
-    if host: readers.update(numpy=_numpy_state.read if cached_numpy else _full_numpy_state, random=random.getstate)
-    return readers
-
-def rng_states(host=True):
-    "The states of the random generators a step may use: torch, CUDA (when present), and with `host` numpy and `random`."
-    return {name: read() for name, read in rng_readers(host).items()}
-
-def _plain(value):
-    "numpy arrays and scalars in `value` as tensors (their bits, with the dtype) and Python numbers."
-    if isinstance(value, np.ndarray):
-        return {'ndarray': value.dtype.str, 'bits': torch.from_numpy(value.view(f'i{value.itemsize}').copy())}
-    if isinstance(value, np.generic): return value.item()
-    if isinstance(value, dict): return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, tuple): return tuple(_plain(v) for v in value)
-    return value
-
-def _from_plain(value):
-    if isinstance(value, dict):
-        if set(value) == {'ndarray', 'bits'}: return value['bits'].numpy().view(np.dtype(value['ndarray']))
-        return {k: _from_plain(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)): return tuple(_from_plain(v) for v in value)
-    return value
-
-def _same(a, b):
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor): return torch.equal(a, b)
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray): return np.array_equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict): return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, tuple) and isinstance(b, tuple): return len(a) == len(b) and all(map(_same, a, b))
-    return a == b
-
-def same_state(a, b):
-    "Whether two random states are equal, comparing arrays by value (for states as read, or as `saveable_rng` wrote)."
-    return _same(_from_plain(a), _from_plain(b))
-
-def saveable_rng(states):
-    "`states` with numpy's state as tensors and numbers, so that `torch.load(weights_only=True)` accepts it."
-    return {**states, 'numpy': _plain(states['numpy'])} if 'numpy' in states else states
-
-def set_rng_states(states,
-                   warn=True,  # warn of the generators that could not be restored (they are returned either way)
-                  ):
-    "Put every generator back in the state `rng_states` (or `saveable_rng`) read; warn of, and return, what could not be."
-    torch.set_rng_state(states['torch'])
-    if 'numpy' in states:
-        np.random.set_state(_from_plain(states['numpy']))
-        _numpy_state.forget()
-    if 'random' in states: random.setstate(states['random'])
-    notes = _set_cuda_rng_states(states.get('cuda'))
-    if notes and warn:
-        warnings.warn(f"random states restored only in part: {'; '.join(notes)}; the steps that draw from "
-                      "those generators (dropout on a GPU) will not repeat exactly", stacklevel=2)
-    return notes
-
-def _set_cuda_rng_states(saved):
-    "Restore the GPUs' generators that both machines have; notes on the others."
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if not saved:
-        return [f"the states were read without a GPU, and this machine's {n} GPU generator(s) keep their own"] if n else []
-    for device, state in enumerate(saved[:n]): torch.cuda.set_rng_state(state, device)
-    if len(saved) == n: return []
-    return [f"the states were read with {len(saved)} GPU(s) and this machine has {n}: "
-            + (f"GPU(s) {n}..{len(saved) - 1} of the saved states have no device here" if len(saved) > n
-               else f"GPU(s) {len(saved)}..{n - 1} keep their own states")]
+__all__ = ['FiniteCheck', 'grads_are_finite', 'nonfinite_grads', 'cloned', 'AsyncFiniteCheck', 'tensors_in', 'PendingCheck',
+           'KeptStep', 'capture_file_name', 'NaNCapture', 'NaNReport', 'load_capture', 'watch_forward', 'graph_nodes',
+           'watch_backward', 'replay_nan']
 
 # %% ../nbs/12_nan_capture.ipynb #c011
 class FiniteCheck:
@@ -212,11 +102,6 @@ class PendingCheck:
         return [n for n, g in zip(self.names, self.grads) if not bool(torch.isfinite(g).all())]
 
 # %% ../nbs/12_nan_capture.ipynb #c016
-def check_count(name, value, minimum=1):
-    "Raise `ValueError` unless `value` is a whole number >= `minimum` (a count of steps, epochs, files)."
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be a whole number >= {minimum}, got {value!r}")
-
 def _all_finite(tensors): return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 @dataclass(slots=True)
@@ -246,7 +131,7 @@ class NaNCapture(Callback):
         self._target = path  # a file, or a folder whose file is named when each fit begins
         self.path = self._capture_path()
         self.check_every, self.rngs, self.sync_free = check_every, rngs, sync_free
-        self.name, self.captured, self._readers, self._pending = 'nan_capture', None, rng_readers(cached_numpy=True), None
+        self.name, self.captured, self._readers, self._pending = 'nan_capture', None, rng_readers(), None
 
     @property
     def step_rngs(self):
@@ -271,7 +156,7 @@ class NaNCapture(Callback):
         self._check = FiniteCheck(device) if device is not None else _all_finite
         self._async_check = AsyncFiniteCheck(device) if deferred else None
         self._kept, self._pending, self._undo_due = KeptStep(), None, False
-        self._readers = rng_readers(cached_numpy=True)  # the generators read at the start of every checked step
+        self._readers = rng_readers()  # the generators read at the start of every checked step
         self._probe = self.rngs == 'auto'  # the first checked step shows which generators the steps draw from
         self.captured = None
 
@@ -311,7 +196,7 @@ class NaNCapture(Callback):
     def _step_record(self, copy=False, states=None):
         "What the file keeps of the current step, read before its optimizer step (`copy`: copied, for a step that goes on)."
         kept = self._kept.rng
-        rng = {name: kept[name] if name in kept else read() for name, read in rng_readers(cached_numpy=copy).items()}
+        rng = {name: kept[name] if name in kept else read() for name, read in rng_readers().items()}
         model, opt = states or (self.model.state_dict(), self.opt.state_dict())
         if copy: model, opt = cloned(model), cloned(opt)
         return {'model': model, 'opt': opt, 'batch': self._kept.batch, 'rng': rng,
@@ -390,22 +275,7 @@ def load_capture(path):
         raise ValueError(f"{os.fspath(path)!r} was not written by NaNCapture")
     return capture
 
-def optimizer_with_state(learn, opt_state):
-    "A new optimizer from `learn`'s `opt_func` holding `opt_state` (an error if it does not fit); `learn.opt` stays as it was."
-    previous = learn.opt
-    try:
-        learn.create_opt()
-        opt = learn.opt
-    finally: learn.opt = previous
-    opt.load_state_dict(opt_state)
-    return opt
 
-def restore_training_state(learn, model_state, opt_state):
-    "Load weights and, into a new optimizer, `opt_state`; both are checked first, so a mismatch changes nothing."
-    check_state_matches(learn.model, model_state)
-    opt = optimizer_with_state(learn, opt_state)
-    learn.model.load_state_dict(model_state)
-    learn.opt = opt
 
 # %% ../nbs/12_nan_capture.ipynb #c032
 def _finite(value): return all(bool(torch.isfinite(t).all()) for t in tensors_in(value) if t.is_floating_point())

@@ -21,6 +21,7 @@ from .callbacks import hypers_read, smooth_values
 from .data import DataLoaders
 from .learner import CancelFitException, Callback, Learner, callback_list, check_fit_args
 from .optimizer import check_hyper, spread_hyper
+from .random_state import loader_generators, rng_states, set_rng_states
 
 # %% auto #0
 __all__ = ['SUGGEST_FUNCS', 'annealing_no', 'annealing_linear', 'annealing_cos', 'annealing_exp', 'annealing_poly',
@@ -368,30 +369,21 @@ def plot_lr_find(lrs, losses, suggestions=None, ax=None):
     return ax
 
 # %% ../nbs/06_schedule.ipynb #c043
-def _rng_states(dl):
-    generator = getattr(dl, 'generator', None)
-    return (torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            generator.get_state() if isinstance(generator, torch.Generator) else None)
-
-def _set_rng_states(dl, states):
-    cpu, cuda, loader = states
-    torch.set_rng_state(cpu)
-    if cuda is not None: torch.cuda.set_rng_state_all(cuda)
-    if loader is not None: dl.generator.set_state(loader)
-
 @contextmanager
 def state_restored(learn):
     "Context after which the learner's weights, optimizer state, data and random generators are as before it."
     model_state = {k: v.detach().clone() for k, v in learn.model.state_dict().items()}
     opt_state = copy.deepcopy(learn.opt.state_dict()) if learn.opt is not None else None
-    dls, rng = learn.dls, _rng_states(learn.dls.train)
+    dls, rng = learn.dls, rng_states(host=False)
+    loader_states = [(g, g.get_state()) for g in loader_generators(dls.train)]
     try: yield
     finally:
         learn.model.load_state_dict(model_state)
         if opt_state is None: learn.opt = None
         else: learn.opt.load_state_dict(opt_state)
         learn.dls = dls
-        _set_rng_states(dls.train, rng)
+        set_rng_states(rng, warn=False)
+        for generator, state in loader_states: generator.set_state(state)
 
 # Where the last fit got to: a checkpoint written after `lr_find` must describe that fit, not the range test.
 _PROGRESS_ATTRS = ('n_epoch', 'epoch', 'iter', 'n_iter', 'train_iter', 'pct_train', 'start_epoch', 'skip_batches')

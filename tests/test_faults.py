@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from teachloop.data import DataLoaders, digits_cnn, digits_dls
-from teachloop.faults import CheckBatch, GradientClipping, TerminateOnNaN, set_seed
+from teachloop.faults import CheckBatch, GradientClipping, TerminateOnNaN
+from teachloop.random_state import set_seed
 from teachloop.learner import BATCH_EVENTS, EVENTS, Callback, CancelFitException, Learner
 from teachloop.optimizer import SGD
 

@@ -10,8 +10,7 @@ from torch import nn
 from teachloop.data import digits_cnn, digits_dls
 from teachloop.learner import Callback, CancelFitException, Learner
 from teachloop import nan_capture
-from teachloop.nan_capture import (FiniteCheck, NaNCapture, grads_are_finite, load_capture, nonfinite_grads, replay_nan,
-                                   rng_states, saveable_rng, set_rng_states)
+from teachloop.nan_capture import (FiniteCheck, NaNCapture, grads_are_finite, load_capture, nonfinite_grads, replay_nan)
 from teachloop.checkpoint import Checkpoint
 from teachloop.optimizer import SGD, Adam
 from teachloop.optimizers import Lamb
@@ -43,78 +42,6 @@ class EventNames(Callback):
     def after_cancel_fit(self): self.events.append('after_cancel_fit')
     def after_fit(self): self.events.append('after_fit')
     def after_step(self): self.events.append('after_step')
-
-
-def test_rng_states_round_trip_through_a_file(tmp_path):
-    saved = rng_states()
-    torch.save(saveable_rng(saved), tmp_path / 'rng.pt')
-    first = (torch.rand(3), np.random.rand(3), random.random())
-    set_rng_states(torch.load(tmp_path / 'rng.pt', weights_only=True))
-    assert torch.equal(first[0], torch.rand(3)) and np.array_equal(first[1], np.random.rand(3)) and first[2] == random.random()
-    assert set(rng_states(host=False)) <= {'torch', 'cuda'}
-
-
-def same_numpy_state(a, b):
-    "Two states from `np.random.get_state()` (the legacy tuple) are equal, array included."
-    return a[0] == b[0] and np.array_equal(a[1], b[1]) and a[2:] == b[2:]
-
-
-def test_numpy_state_is_read_again_only_when_it_changed_and_always_equals_numpys(monkeypatch):
-    full_reads = []
-    getter = np.random.get_state
-    monkeypatch.setattr(np.random, 'get_state', lambda *a, **k: full_reads.append(1) or getter(*a, **k))
-    saved = getter()
-    try:
-        np.random.seed(1)
-        changes = [lambda: None, lambda: np.random.rand(3), lambda: None,
-                   lambda: np.random.standard_normal(),  # draws two normals, keeps one cached (has_gauss = 1)
-                   lambda: np.random.standard_normal(),  # uses the cached one: no raw byte changes
-                   lambda: None, lambda: np.random.seed(1), lambda: np.random.randint(0, 9, 700),
-                   lambda: np.random.set_state(saved), lambda: None]
-        for change in changes:
-            change()
-            before = len(full_reads)
-            state = nan_capture._numpy_state.read()
-            assert same_numpy_state(state, getter()), change
-            reads = len(full_reads) - before
-            assert nan_capture._numpy_state.source[1] is not None, "the raw-state shortcut should be in use for MT19937"
-            if reads == 0: assert not state[3]
-        # no change and no cached normal: no full read at all
-        nan_capture._numpy_state.read()
-        before = len(full_reads)
-        for _ in range(5): nan_capture._numpy_state.read()
-        assert len(full_reads) == before
-        np.random.rand()
-        nan_capture._numpy_state.read()
-        assert len(full_reads) == before + 1
-    finally: np.random.set_state(saved)
-
-
-def test_rng_states_with_another_numpy_generator_round_trip_through_a_file(tmp_path):
-    original = np.random.get_bit_generator()
-    np.random.set_bit_generator(np.random.PCG64(5))
-    try:
-        saved = rng_states()
-        assert saved['numpy'] == np.random.get_state(legacy=False)  # PCG64's state is a dict of numbers
-        torch.save(saveable_rng(saved), tmp_path / 'rng.pt')
-        first = np.random.rand(4)
-        set_rng_states(torch.load(tmp_path / 'rng.pt', weights_only=True))
-        assert np.array_equal(first, np.random.rand(4))
-    finally: np.random.set_bit_generator(original)
-    assert same_numpy_state(nan_capture._numpy_state.read(), np.random.get_state())
-    assert nan_capture._numpy_state.source[1] is not None
-
-
-def test_numpy_cache_is_dropped_when_set_rng_states_restores_a_cached_normal():
-    "A restore can bring back a cached normal value without changing numpy's raw state: the next read must see it."
-    np.random.seed(0)
-    np.random.standard_normal()
-    saved = rng_states()  # holds a cached normal
-    expected = np.random.standard_normal()  # uses it: the raw state stays the same
-    assert not nan_capture._numpy_state.read()[3]
-    set_rng_states(saveable_rng(saved))
-    assert same_numpy_state(nan_capture._numpy_state.read(), np.random.get_state())
-    assert nan_capture._numpy_state.read()[3] and np.random.standard_normal() == expected
 
 
 def test_grads_are_finite_matches_isfinite_and_leaves_grads_unchanged():
@@ -433,30 +360,6 @@ def test_sync_free_handles_0d_state(tmp_path, opt_func):
     assert capture['train_iter'] == 4 and capture['weights_finite']
     assert int(model[1].num_batches_tracked) == 5  # the forward passes of steps 0-4; no step after the bad one ran
     assert all(bool(torch.isfinite(p).all()) for p in learn.model.parameters())
-
-
-@pytest.mark.parametrize('saved,present,restored,note', [
-    (2, 2, [0, 1], None), (2, 1, [0], 'read with 2 GPU'), (1, 2, [0], 'read with 1 GPU'),
-    (0, 1, [], 'read without a GPU'), (1, 0, [], 'read with 1 GPU')])
-def test_random_states_from_a_machine_with_another_number_of_gpus(monkeypatch, saved, present, restored, note):
-    "What fits is restored, the rest is said in a warning (checked on the CPU with the CUDA calls stood in for)."
-    calls = []
-    monkeypatch.setattr(torch.cuda, 'is_available', lambda: present > 0)
-    monkeypatch.setattr(torch.cuda, 'device_count', lambda: present)
-    monkeypatch.setattr(torch.cuda, 'set_rng_state', lambda state, device: calls.append(device))
-    states = {'torch': torch.get_rng_state(), 'cuda': [torch.zeros(16, dtype=torch.uint8)] * saved}
-    if note is None:
-        assert nan_capture.set_rng_states(states) == []
-    else:
-        with pytest.warns(UserWarning, match=note): nan_capture.set_rng_states(states)
-    assert calls == restored
-
-
-@pytest.mark.cuda
-def test_a_cpu_checkpoint_resumes_on_the_gpu_with_a_note(tmp_path):
-    states = nan_capture.rng_states()
-    states.pop('cuda', None)
-    with pytest.warns(UserWarning, match='without a GPU'): nan_capture.set_rng_states(states)
 
 
 def test_a_capture_folder_gets_the_rank_of_the_fit_not_of_the_moment_the_callback_was_made(tmp_path):

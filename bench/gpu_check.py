@@ -99,7 +99,7 @@ def check_mixed_precision(dtype):
 
 
 def check_dashboard_background():
-    from teachloop.dashboard import TrainingDashboard
+    from teachloop.dashboard import TrainingDashboard, fit_background
     class TickUnguarded(TrainingDashboard):
         def tick(self, *args, **kwargs):
             guarded = DEVICE.type == 'cuda' and torch.cuda.get_sync_debug_mode() != 0
@@ -110,7 +110,7 @@ def check_dashboard_background():
     learn = digits_learner(cbs=[Quiet()])
     dashboard = TickUnguarded(refresh=0.25)
     # the sync debug mode is per process: the background thread's batches run guarded by SyncGuard
-    handle = learn.fit(2, cbs=[SyncGuard(), dashboard], background=True)
+    handle = fit_background(learn, 2, cbs=[SyncGuard(), dashboard])
     handle.wait(timeout=600)
     return f"2 epochs in a background thread, {len(learn.recorder.values)} epoch rows; {last_row(learn)}"
 

@@ -15,12 +15,14 @@ from functools import partial
 import torch
 
 from .core import default_device, to_device
-from .learner import Callback
+from fastcore.basics import patch
+
+from .learner import DEFAULT_CALLBACKS, Callback
 from .optimizer import Optimizer
 
 # %% auto #0
-__all__ = ['state_to_params_devices', 'DeviceCallback', 'accuracy', 'smooth_values', 'hypers_read', 'Recorder', 'plot_loss',
-           'plot_sched', 'format_row', 'ProgressCallback', 'StepUndo', 'MixedPrecision']
+__all__ = ['state_to_params_devices', 'DeviceCallback', 'accuracy', 'smooth_values', 'hypers_read', 'Recorder', 'format_row',
+           'ProgressCallback', 'StepUndo', 'MixedPrecision']
 
 # %% ../nbs/03_callbacks.ipynb #c004
 def state_to_params_devices(opt):
@@ -176,7 +178,8 @@ class Recorder(Callback):
     def lrs(self): return self.hps['lr']
 
 # %% ../nbs/03_callbacks.ipynb #c016
-def plot_loss(self, skip_start=0, ax=None):
+@patch
+def plot_loss(self:Recorder, skip_start=0, ax=None):
     "Plot batch losses, smoothed losses and per-epoch validation losses."
     import matplotlib.pyplot as plt
     if ax is None: _, ax = plt.subplots(figsize=(6, 4))
@@ -191,7 +194,8 @@ def plot_loss(self, skip_start=0, ax=None):
     ax.set(xlabel='training batch', ylabel='loss'); ax.legend(loc='upper right')
     return ax
 
-def plot_sched(self, keys=('lr', 'mom'), axs=None):
+@patch
+def plot_sched(self:Recorder, keys=('lr', 'mom'), axs=None):
     "Plot the recorded hyper-parameters `keys` per training batch."
     import matplotlib.pyplot as plt
     keys = [k for k in keys if self.hps.get(k)]
@@ -200,7 +204,6 @@ def plot_sched(self, keys=('lr', 'mom'), axs=None):
         ax.plot(self.hps[key]); ax.set(xlabel='training batch', title=key)
     return axs
 
-Recorder.plot_loss, Recorder.plot_sched = plot_loss, plot_sched
 
 # %% ../nbs/03_callbacks.ipynb #c018
 def format_row(row, widths):
@@ -240,6 +243,9 @@ class ProgressCallback(Callback):
     def _close(self):
         if self.bar is not None: self.bar.close()
         self.bar = None
+
+# %% ../nbs/03_callbacks.ipynb #d018b
+DEFAULT_CALLBACKS.extend([DeviceCallback, Recorder, ProgressCallback])
 
 # %% ../nbs/03_callbacks.ipynb #c026
 from .learner import CancelStepException

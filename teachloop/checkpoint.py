@@ -6,7 +6,6 @@ the losses of a fit that never stopped; and callbacks that keep the best model, 
 # %% ../nbs/13_checkpoint.ipynb #c003
 from __future__ import annotations
 
-import copy
 import math
 import os
 import warnings
@@ -14,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+from fastcore.basics import patch
 
 from .core import atomic_save, check_count, check_mode, check_save_folder, check_save_path
 from .learner import (Callback, CancelFitException, Learner, check_state_matches, optimizer_with_state,
@@ -22,9 +22,8 @@ from .random_state import loader_generators, rng_readers, rng_states, saveable_r
 
 # %% auto #0
 __all__ = ['FORMAT', 'recorder_state', 'load_recorder_state', 'load_epoch_in_progress', 'epoch_rows', 'checkpoint_state',
-           'save_checkpoint', 'read_checkpoint', 'check_checkpoint_fits', 'restore_checkpoint', 'load_checkpoint',
-           'Resume', 'replace_with_link', 'Checkpoint', 'TrackerCallback', 'SaveModel', 'EarlyStopping',
-           'ReduceLROnPlateau']
+           'read_checkpoint', 'check_checkpoint_fits', 'restore_checkpoint', 'Resume', 'replace_with_link',
+           'Checkpoint', 'TrackerCallback', 'SaveModel', 'EarlyStopping', 'ReduceLROnPlateau']
 
 # %% ../nbs/13_checkpoint.ipynb #c009
 def _cpu_tensor(tensors): return torch.cat([t.detach().cpu().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
@@ -108,9 +107,13 @@ def checkpoint_state(learn,
                         for name in ('train', 'valid') if getattr(learn.dls, name) is not None},
             'progress': _progress(learn, rows)}
 
-def save_checkpoint(learn, path, rng=None):
-    "Write `checkpoint_state(learn, rng)` to `path` atomically (a temporary file, then a rename); return the path."
-    atomic_save(checkpoint_state(learn, rng), path)
+@patch
+def save_checkpoint(self:Learner,
+                    path,  # the file to write
+                    rng=None,  # the random states to keep; None: those of the batch boundary, or as they are now
+                   ):
+    "Write everything `fit(..., resume=path)` needs to continue exactly to `path`, atomically; return the path."
+    atomic_save(checkpoint_state(self, rng), path)
     return path
 
 # %% ../nbs/13_checkpoint.ipynb #c013
@@ -177,12 +180,13 @@ def restore_checkpoint(learn, state):
     learn.start_epoch, learn.skip_batches = progress['epochs_done'], progress['batches_done']
     set_rng_states(state['rng'])
 
-def load_checkpoint(learn, path):
-    "Load a checkpoint's weights, optimizer and callback states into `learn` without resuming a fit."
+@patch
+def load_checkpoint(self:Learner, path):
+    "Load a checkpoint's weights and optimizer state into the learner without resuming a fit."
     state = read_checkpoint(path)
-    check_state_matches(learn.model, state['model'])
-    restore_training_state(learn, state['model'], state['opt'])
-    return learn
+    check_state_matches(self.model, state['model'])
+    restore_training_state(self, state['model'], state['opt'])
+    return self
 
 class Resume(Callback):
     "Restore the checkpoint at `path` once every other callback has run `before_fit`; the fit then goes on from there."
@@ -217,8 +221,11 @@ class Resume(Callback):
 
     def after_train(self): self.learn.skip_batches, self.learn.after_skipping = 0, None
 
-# %% ../nbs/13_checkpoint.ipynb #c016
-Learner.load_checkpoint = load_checkpoint
+@patch
+def resume_callback(self:Learner, path, n_epoch, cbs=()):
+    "The callback that makes this fit continue from the checkpoint at `path`, checked now (`fit(..., resume=path)` uses it)."
+    return Resume(self, path, n_epoch, cbs)
+
 
 # %% ../nbs/13_checkpoint.ipynb #c018
 def replace_with_link(source, target):
@@ -270,13 +277,13 @@ class Checkpoint(Callback):
         # states to resume from are those of the end of the last whole batch (or of the epoch's start).
         at_boundary = self.batch_boundary is not None and self.batch_boundary[0] == self.train_iter
         rng = self.batch_boundary[1] if at_boundary else None  # the learner has left its training phase by now
-        path = save_checkpoint(self.learn, self.folder / 'interrupted.pt', rng)
+        path = self.learn.save_checkpoint(self.folder / 'interrupted.pt', rng)
         print(f"Checkpoint: the fit was interrupted; `fit({self.n_epoch}, resume={str(path)!r})` continues it")
 
     def after_epoch(self):
         done = self.epoch + 1
         if done % self.every_n_epochs: return
-        path = save_checkpoint(self.learn, self.folder / f'epoch-{done:03d}.pt')
+        path = self.learn.save_checkpoint(self.folder / f'epoch-{done:03d}.pt')
         replace_with_link(path, self.latest)
         # Only files this callback wrote are ever removed: other files in the folder (an earlier fit's) stay.
         self._written = [p for p in self._written if p != path] + [path]

@@ -11,13 +11,13 @@ import math
 import torch
 
 from .learner import Callback
-from .optimizer import (adam_step, debias, momentum_step, rms_prop_step, sgd_step)
-from .optimizers import (lamb_step, lars_scale_grad, lion_step, nesterov_step, qhadam_step, radam_step,
-                                  rectification)
+from .optimizer import (adam_step, average_grad, average_sqr_grad, callback_facts, debias, declare_callback,
+                                 l2_reg, momentum_step, rms_prop_step, sgd_step, step_stat, weight_decay)
+from .optimizers import (keep_slow_weights, lamb_step, lars_scale_grad, lion_step, lookahead_step,
+                                  nesterov_step, qhadam_step, radam_step, rectification)
 
 # %% auto #0
-__all__ = ['effective_lr_factors', 'torch_effective_lr', 'effective_lrs', 'layer_name', 'effective_lr_stats', 'UpdateRatio',
-           'EffectiveLRTracker']
+__all__ = ['torch_effective_lr', 'effective_lrs', 'layer_name', 'effective_lr_stats', 'UpdateRatio', 'EffectiveLRTracker']
 
 # %% ../nbs/10_effective_lr.ipynb #c004
 def _constant_lr(p, state, lr, **hypers): return torch.full_like(p, lr)
@@ -37,10 +37,14 @@ def _radam_factor(p, state, lr, sqr_mom, eps, **hypers):
 
 def _trust_ratio_factor(p, state, **hypers): return state['trust_ratio']
 
-effective_lr_factors = {sgd_step: _constant_lr, momentum_step: _constant_lr, nesterov_step: _constant_lr,
-                        lion_step: _constant_lr, rms_prop_step: _rms_prop_factor, adam_step: _adam_factor,
-                        qhadam_step: _adam_factor, radam_step: _radam_factor, lamb_step: _lamb_factor,
-                        lars_scale_grad: _trust_ratio_factor}
+for step, factor in {sgd_step: _constant_lr, momentum_step: _constant_lr, nesterov_step: _constant_lr,
+                     lion_step: _constant_lr, rms_prop_step: _rms_prop_factor, adam_step: _adam_factor,
+                     qhadam_step: _adam_factor, radam_step: _radam_factor, lamb_step: _lamb_factor,
+                     lars_scale_grad: _trust_ratio_factor}.items():
+    declare_callback(step, effective_lr=factor)
+# Callbacks that keep state or change the gradient or the weights in another way have no factor of their own.
+for other in (weight_decay, l2_reg, average_grad, average_sqr_grad, step_stat, keep_slow_weights, lookahead_step):
+    declare_callback(other, effective_lr=None)
 
 # %% ../nbs/10_effective_lr.ipynb #c006
 def _torch_adam_factor(p, state, group):
@@ -55,10 +59,6 @@ torch_effective_lr = {torch.optim.SGD: lambda p, state, group: torch.full_like(p
                       torch.optim.RMSprop: lambda p, state, group: group['lr'] / (state['square_avg'].sqrt() + group['eps'])}
 
 # %% ../nbs/10_effective_lr.ipynb #c007
-def _callback_function(cb):
-    while hasattr(cb, 'func'): cb = cb.func
-    return cb
-
 def _effective_lr_rule(opt):
     "A function `(p, state, group) -> effective lr of each element of p` for the optimizer `opt`."
     torch_opt = getattr(opt, 'opt', opt)
@@ -67,7 +67,7 @@ def _effective_lr_rule(opt):
             raise ValueError(f"no effective learning rate rule for {type(torch_opt).__name__}; known: teachloop "
                              f"optimizers and {sorted(c.__name__ for c in torch_effective_lr)}")
         return torch_effective_lr[type(torch_opt)]
-    factors = [effective_lr_factors[f] for f in map(_callback_function, torch_opt.cbs) if f in effective_lr_factors]
+    factors = [f for f in (callback_facts(cb).effective_lr for cb in torch_opt.cbs) if callable(f)]
     if not factors: raise ValueError(f"none of the callbacks of {torch_opt!r} has an effective learning rate rule")
     def rule(p, state, group):
         hypers = {k: v for k, v in group.items() if k != 'params'}

@@ -12,18 +12,19 @@ from functools import partial
 
 import torch
 
-from .optimizer import (adam_step, average_grad, average_sqr_grad, debias, l2_reg, momentum_step,
-                                 rms_prop_step, sgd_step, step_stat, weight_decay)
+from .optimizer import (FAST_STEP_PLANNERS, adam_step, average_grad, average_sqr_grad, callback_facts, debias,
+                                 declare_callback, l2_reg, momentum_step, rms_prop_step, sgd_step, step_stat,
+                                 weight_decay)
 from .optimizers import (keep_slow_weights, lamb_step, lars_scale_grad, lion_step, lookahead_step,
                                   nesterov_step, qhadam_step, radam_step, rectification, trust_ratio)
 
 # %% auto #0
-__all__ = ['multi_tensor_versions', 'fused_patterns', 'TensorGroup', 'multi_tensor_version_of', 'per_step_count',
-           'weight_decay_multi', 'l2_reg_multi', 'sgd_step_multi', 'average_grad_multi', 'average_sqr_grad_multi',
-           'momentum_step_multi', 'rms_prop_step_multi', 'step_stat_multi', 'adam_step_multi', 'nesterov_step_multi',
-           'qhadam_step_multi', 'radam_step_multi', 'norms', 'decay_factors', 'lamb_step_multi',
-           'lars_scale_grad_multi', 'lion_step_multi', 'keep_slow_weights_multi', 'lookahead_step_multi',
-           'callback_key', 'fused_adam_step', 'fused_sgd_step', 'callback_switches', 'FastStep', 'plan_fast_step']
+__all__ = ['fused_patterns', 'TensorGroup', 'multi_tensor_version_of', 'per_step_count', 'weight_decay_multi', 'l2_reg_multi',
+           'sgd_step_multi', 'average_grad_multi', 'average_sqr_grad_multi', 'momentum_step_multi',
+           'rms_prop_step_multi', 'step_stat_multi', 'adam_step_multi', 'nesterov_step_multi', 'qhadam_step_multi',
+           'radam_step_multi', 'norms', 'decay_factors', 'lamb_step_multi', 'lars_scale_grad_multi', 'lion_step_multi',
+           'keep_slow_weights_multi', 'lookahead_step_multi', 'callback_key', 'fused_adam_step', 'fused_sgd_step',
+           'callback_switches', 'FastStep', 'plan_fast_step']
 
 # %% ../nbs/08_fast_optimizers.ipynb #c004
 class TensorGroup:
@@ -58,12 +59,10 @@ class TensorGroup:
     def __len__(self): return len(self.params)
 
 # %% ../nbs/08_fast_optimizers.ipynb #c006
-multi_tensor_versions = {}
-
 def multi_tensor_version_of(callback):
-    "Register the decorated function as the multi-tensor version of `callback`."
+    "Declare the decorated function as the multi-tensor version of `callback` (in `OPTIMIZER_CALLBACKS`)."
     def register(version):
-        multi_tensor_versions[callback] = version
+        declare_callback(callback, multi_tensor=version)
         return version
     return register
 
@@ -325,10 +324,14 @@ def plan_fast_step(cbs):
         fused, length = _fused_match(keys, i)
         if fused is None:
             func, keywords = keys[i]
-            if func not in multi_tensor_versions: return None
-            fused = partial(multi_tensor_versions[func], **dict(keywords))
-            names.append(multi_tensor_versions[func].__name__)
+            version = callback_facts(func).multi_tensor
+            if not callable(version): return None
+            fused = partial(version, **dict(keywords))
+            names.append(version.__name__)
         else: names.append(fused.func.__name__)
         steps.append(fused); i += length
     fused_state = {name for step in steps for name in _FUSED_STATE.get(getattr(step, 'func', None), ())}
     return FastStep(steps, names, callback_switches(cbs), sorted(fused_state))
+
+# %% ../nbs/08_fast_optimizers.ipynb #p016b
+FAST_STEP_PLANNERS.append(plan_fast_step)

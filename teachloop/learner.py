@@ -12,6 +12,8 @@ import signal
 import threading
 import warnings
 from contextlib import contextmanager
+
+from fastcore.basics import patch
 from pathlib import Path
 
 import torch
@@ -22,13 +24,11 @@ from .interop import norm_and_bias_params
 from .optimizer import Adam, Optimizer, check_hyper
 
 # %% auto #0
-__all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'CancelBatchException', 'CancelBackwardException',
+__all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'CancelBatchException', 'CancelBackwardException',
            'CancelStepException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
            'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'TrainEvalCallback', 'default_splitter',
-           'Learner', 'add_cbs', 'remove_cbs', 'added_cbs', 'InterruptGate', 'callback_list', 'check_fit_args',
-           'create_opt', 'exclusive', 'reserve_for', 'release', 'fit', 'save_checkpoint', 'GatherPreds', 'validate',
-           'get_preds', 'predict', 'check_state_matches', 'optimizer_with_state', 'restore_training_state', 'save',
-           'load', 'EventLog']
+           'Learner', 'InterruptGate', 'callback_list', 'check_fit_args', 'GatherPreds', 'check_state_matches',
+           'optimizer_with_state', 'restore_training_state', 'EventLog']
 
 # %% ../nbs/02_learner.ipynb #c004
 class CancelBatchException(Exception):
@@ -136,13 +136,20 @@ class TrainEvalCallback(Callback):
         learn.train_iter += 1
         learn.pct_train = learn.train_iter / max(learn.n_iter * learn.n_epoch, 1)
 
+# What every new learner gets unless `default_cbs=False`: one callable per callback (a class, usually).
+# Later notebooks append theirs (the callbacks notebook adds the device, recorder and progress callbacks).
+DEFAULT_CALLBACKS = [TrainEvalCallback]
+
+
 # %% ../nbs/02_learner.ipynb #c015
 def default_splitter(model):
     "One parameter group with all the model's parameters."
     return [list(model.parameters())]
 
 # Methods that later notebooks add to `Learner`, and the module that adds each.
-_METHODS_FROM = {name: 'teachloop.schedule' for name in ('fit_one_cycle', 'fit_flat_cos', 'fit_sgdr', 'lr_find')}
+_METHODS_FROM = {**{name: 'teachloop.schedule' for name in ('fit_one_cycle', 'fit_flat_cos', 'fit_sgdr', 'lr_find')},
+                 **{name: 'teachloop.checkpoint' for name in ('save_checkpoint', 'load_checkpoint', 'resume_callback')},
+                 'recorder': 'teachloop.callbacks', 'progress': 'teachloop.callbacks'}
 
 def _describe_shape(t): return tuple(t.shape) if hasattr(t, 'shape') else type(t).__name__
 
@@ -163,7 +170,7 @@ class Learner:
                  wd=None,  # weight decay given to the optimizer (None: the optimizer's default)
                  moms=(0.95, 0.85, 0.95),  # momentum at start, middle and end of `fit_one_cycle`
                  splitter=default_splitter,  # model -> list of parameter lists, one per group
-                 default_cbs=True,  # add the standard callbacks (train/eval, device, recorder, progress bar)
+                 default_cbs=True,  # add the callbacks in `DEFAULT_CALLBACKS` (train/eval; device, recorder, progress bar)
                  wd_bn_bias=True,  # weight decay on normalisation layers and biases too (False: on the other weights only)
                  train_bn=True,  # keep normalisation layers training when the model is frozen (see `freeze_to`)
                 ):
@@ -178,7 +185,7 @@ class Learner:
         self.after_skipping = None  # called once the batches a resumed fit skips are drawn (see checkpoints)
         self.cbs, self._event_tables, self._interrupts = [], ({}, {}), InterruptGate()
         self._events = {}
-        self.add_cbs(self._default_callbacks() if default_cbs else [TrainEvalCallback()])
+        self.add_cbs([make() for make in DEFAULT_CALLBACKS] if default_cbs else [TrainEvalCallback()])
         self.add_cbs(cbs or [])
         self('after_create')
 
@@ -195,10 +202,6 @@ class Learner:
         for m in metrics or []:
             if not callable(m): raise TypeError(f"each metric must be a function f(pred, target), got {m!r}")
 
-    @staticmethod
-    def _default_callbacks():
-        from teachloop.callbacks import DeviceCallback, ProgressCallback, Recorder
-        return [TrainEvalCallback(), DeviceCallback(), Recorder(), ProgressCallback()]
 
     @property
     def x(self): return self.xb[0]
@@ -238,7 +241,8 @@ def _handlers(cbs, event, phase_flag):
         if event in cb.__dict__ or callable(getattr(type(cb), event, None)): found.append(getattr(cb, event))
     return tuple(found)
 
-def add_cbs(self, cbs):
+@patch
+def add_cbs(self:Learner, cbs):
     "Add callbacks (checked, sorted by `order`, ties in the order added); return them."
     self._check_owner('add callbacks')
     cbs = list(cbs)
@@ -249,7 +253,8 @@ def add_cbs(self, cbs):
     self._refresh_events()
     return cbs
 
-def remove_cbs(self, cbs):
+@patch
+def remove_cbs(self:Learner, cbs):
     "Remove callbacks from the learner."
     self._check_owner('remove callbacks')
     for cb in list(cbs):
@@ -257,22 +262,24 @@ def remove_cbs(self, cbs):
         object.__setattr__(cb, 'learn', None)
     self._refresh_events()
 
+@patch
 @contextmanager
-def added_cbs(self, cbs):
+def added_cbs(self:Learner, cbs):
     "Context in which `cbs` are added to the learner."
     added = self.add_cbs(cbs or [])
     try: yield added
     finally: self.remove_cbs(added)
 
-def _refresh_events(self):
+@patch
+def _refresh_events(self:Learner):
     self.cbs.sort(key=lambda cb: cb.order)
     self._event_tables = tuple({e: _handlers(self.cbs, e, flag) for e in EVENTS} for flag in ('run_valid', 'run_train'))
     self._events = self._event_tables[self.training]
 
-Learner.add_cbs, Learner.remove_cbs, Learner.added_cbs, Learner._refresh_events = add_cbs, remove_cbs, added_cbs, _refresh_events
 
 # %% ../nbs/02_learner.ipynb #c020
-def _fire(self, event):
+@patch
+def __call__(self:Learner, event):
     "Run the handlers of `event`."
     for handler in self._events[event]:
         try: handler()
@@ -293,7 +300,8 @@ def _cancelled_too_late(exc, event):
                         f"Raise it in an earlier event of the {part}, or cancel the part around it "
                         "(e.g. CancelBatchException in `after_step`, CancelEpochException in `after_train`)")
 
-def _with_events(self, body, name, cancel_exception):
+@patch
+def _with_events(self:Learner, body, name, cancel_exception):
     "Fire `before_<name>`, run `body`; on `cancel_exception` fire `after_cancel_<name>`; then fire `after_<name>`."
     try:
         self(f'before_{name}')
@@ -305,7 +313,6 @@ def _with_events(self, body, name, cancel_exception):
     try: self(f'after_{name}')
     except cancel_exception as e: raise _cancelled_too_late(e, f'after_{name}') from None
 
-Learner.__call__, Learner._with_events = _fire, _with_events
 
 # %% ../nbs/02_learner.ipynb #c022
 class InterruptGate:
@@ -351,7 +358,8 @@ def _loss_with_broadcast_check(loss_func, pred, yb):
         warnings.filterwarnings('error', message='Using a target size')
         return loss_func(pred, *yb)
 
-def _compute_loss(self):
+@patch
+def _compute_loss(self:Learner):
     pred, target = self.pred, self.yb[0]
     if hasattr(pred, 'shape') and hasattr(target, 'shape') and pred.shape[:1] != target.shape[:1]:
         raise ValueError(f"the model's output has shape {tuple(pred.shape)} but the target has shape "
@@ -376,13 +384,15 @@ def _device_note(model, xb):
     return (f"(the model's parameters are on {', '.join(model_devices)}, the batch's inputs on {', '.join(batch_devices)}: "
             "put both on one device; DeviceCallback, a default callback, does it)")
 
-def _forward(self):
+@patch
+def _forward(self:Learner):
     try: return self.model(*self.xb)
     except RuntimeError as e:
         if 'device' in str(e): _add_note(e, _device_note(self.model, self.xb))
         raise
 
-def _do_one_batch(self):
+@patch
+def _do_one_batch(self:Learner):
     self.pred = self._forward()
     self('after_pred')
     self.loss_grad = self._compute_loss()
@@ -394,16 +404,19 @@ def _do_one_batch(self):
         self._with_events(self._step, 'step', CancelStepException)
     finally: self.opt.zero_grad()  # also when the batch is cancelled after backward: its gradients must not reach the next step
 
-def _step(self):
+@patch
+def _step(self:Learner):
     self._interrupts.hold()  # released at the batch's end, in `_all_batches`
     self.opt.step()
 
-def _split_batch(self, batch):
+@patch
+def _split_batch(self:Learner, batch):
     if not isinstance(batch, (list, tuple)) or len(batch) < 2:
         raise TypeError(f"each batch must be an (inputs..., target) tuple or list, got {type(batch).__name__}")
     self.xb, self.yb = tuple(batch[:-1]), (batch[-1],)
 
-def _all_batches(self):
+@patch
+def _all_batches(self:Learner):
     # A Ctrl-C during a training batch, its drawing from the loader included, waits for the batch's end: what is
     # saved then (random states too) is exactly what the next batch starts from.
     if self.training: self._interrupts.hold()
@@ -421,28 +434,30 @@ def _all_batches(self):
                 if self.training: self._interrupts.hold()
     finally: self._interrupts.release()
 
-def _set_phase(self, training, dl):
+@patch
+def _set_phase(self:Learner, training, dl):
     self.training, self.dl = training, dl
     self.n_iter = len(dl) if hasattr(dl, '__len__') else 0
     self._events = self._event_tables[training]
 
-def _do_validate(self, dl):
+@patch
+def _do_validate(self:Learner, dl):
     self._set_phase(False, dl)
     with torch.no_grad(): self._with_events(self._all_batches, 'validate', CancelValidException)
 
-def _do_epoch(self):
+@patch
+def _do_epoch(self:Learner):
     self._set_phase(True, self.dls.train)
     self._with_events(self._all_batches, 'train', CancelTrainException)
     if self.dls.valid is not None: self._do_validate(self.dls.valid)
 
-def _do_fit(self):
+@patch
+def _do_fit(self:Learner):
     # after `before_fit`: a state loaded since the optimizer was made (`load`, a checkpoint) may have switched decay on again
     if not self.wd_bn_bias: _no_decay(self.opt, norm_and_bias_params(self.model))
     for self.epoch in range(self.start_epoch, self.n_epoch):
         self._with_events(self._do_epoch, 'epoch', CancelEpochException)
 
-for f in (_compute_loss, _forward, _do_one_batch, _step, _split_batch, _all_batches, _set_phase, _do_validate, _do_epoch, _do_fit):
-    setattr(Learner, f.__name__, f)
 
 # %% ../nbs/02_learner.ipynb #c025
 def _check_loaders(dls):
@@ -464,7 +479,8 @@ def check_fit_args(n_epoch, lr, wd):
     if lr is not None and not isinstance(lr, (slice, list, tuple)): check_hyper('lr', lr)
     if wd is not None: check_hyper('wd', wd)
 
-def create_opt(self):
+@patch
+def create_opt(self:Learner):
     "Create the optimizer from `opt_func` with the splitter's parameter groups and the learner's `lr` and `wd`."
     self._check_owner('create an optimizer')
     opt = self.opt_func(self.splitter(self.model), lr=self.lr if not isinstance(self.lr, (slice, list, tuple)) else 1e-3)
@@ -483,15 +499,17 @@ def _no_decay(opt, params):
 
 _owner_lock = threading.Lock()
 
-def _check_owner(self, action):
+@patch
+def _check_owner(self:Learner, action):
     owner = self.__dict__.get('_owner')
     if owner is not None and owner is not threading.current_thread():
         raise RuntimeError(f"cannot {action} while this learner trains in another thread (a background fit): "
                            "`handle.wait()` for it, or `handle.stop().wait()`, first")
     return owner
 
+@patch
 @contextmanager
-def exclusive(self, action):
+def exclusive(self:Learner, action):
     "Run the block as `action` (e.g. 'validate'), refusing it if another thread is training this learner."
     with _owner_lock:
         claimed = self._check_owner(action) is None
@@ -500,36 +518,36 @@ def exclusive(self, action):
     finally:
         if claimed: self._owner = None
 
-def reserve_for(self, thread):
+@patch
+def reserve_for(self:Learner, thread):
     "Let only `thread` fit or evaluate this learner until `release(thread)` (a background fit, before it starts)."
     with _owner_lock:
         self._check_owner('start a background fit')
         self._owner = thread
 
-def release(self, thread):
+@patch
+def release(self:Learner, thread):
     "End `thread`'s reservation."
     with _owner_lock:
         if self.__dict__.get('_owner') is thread: self._owner = None
 
-def fit(self,
+@patch
+def fit(self:Learner,
         n_epoch:int,  # number of passes over the training data
         lr=None,  # learning rate for this fit (number or slice); None keeps the optimizer's
         wd=None,  # weight decay for this fit; None keeps the optimizer's
         cbs=None,  # callbacks used for this fit only
         reset_opt=False,  # create a fresh optimizer (forgetting its state) first
-        resume=None,  # path of a checkpoint to continue from (see `save_checkpoint`)
-        background=False,  # run the fit in a background thread and return its handle at once (see `dashboard`)
+        resume=None,  # path of a checkpoint to continue from (`teachloop.checkpoint` adds this)
        ):
     "Train for `n_epoch` epochs."
-    if background:
-        from teachloop.dashboard import fit_background  # the dashboard builds on this module: imported when needed
-        return fit_background(self, n_epoch, cbs=cbs, lr=lr, wd=wd, reset_opt=reset_opt, resume=resume)
     with self.exclusive('fit'): self._fit(n_epoch, lr, wd, callback_list(cbs), reset_opt, resume)
 
-def _fit(self, n_epoch, lr, wd, cbs, reset_opt, resume):
+@patch
+def _fit(self:Learner, n_epoch, lr, wd, cbs, reset_opt, resume):
     check_fit_args(n_epoch, lr, wd)
     _check_loaders(self.dls)
-    if resume is not None: cbs = cbs + [_resume_callback(self, resume, n_epoch, cbs)]
+    if resume is not None: cbs = cbs + [self.resume_callback(resume, n_epoch, cbs)]
     with self.added_cbs(cbs):
         previous_opt = self.opt
         if self.opt is None or reset_opt: self.create_opt()
@@ -544,29 +562,20 @@ def _fit(self, n_epoch, lr, wd, cbs, reset_opt, resume):
             with self._interrupts.installed(): self._with_events(self._do_fit, 'fit', CancelFitException)
         finally: self._cleanup()
 
-def _check_callbacks_fit(self):
+@patch
+def _check_callbacks_fit(self:Learner):
     "Let each callback with a `check_fit` method refuse this fit, now that the optimizer exists and nothing has changed."
     for cb in self.cbs:
         if callable(getattr(type(cb), 'check_fit', None)): cb.check_fit()
 
-def _cleanup(self):
+@patch
+def _cleanup(self:Learner):
     self._set_phase(False, self.dl)
     self.model.eval()
     if self.opt is not None: self.opt.zero_grad()
     self('cleanup_fit')
 
-def _resume_callback(learn, path, n_epoch, cbs):
-    from teachloop.checkpoint import Resume  # checkpoint builds on this module, so it is imported when needed
-    return Resume(learn, path, n_epoch, cbs)
 
-def save_checkpoint(self, path):
-    "Save everything `fit(..., resume=path)` needs to continue exactly (see `teachloop.checkpoint`)."
-    from teachloop.checkpoint import save_checkpoint
-    return save_checkpoint(self, path)
-
-Learner.create_opt, Learner.fit, Learner._fit, Learner._cleanup, Learner.save_checkpoint = create_opt, fit, _fit, _cleanup, save_checkpoint
-Learner._check_callbacks_fit = _check_callbacks_fit
-Learner._check_owner, Learner.exclusive, Learner.reserve_for, Learner.release = _check_owner, exclusive, reserve_for, release
 
 # %% ../nbs/02_learner.ipynb #c027
 class GatherPreds(Callback):
@@ -577,7 +586,8 @@ class GatherPreds(Callback):
         self.preds.append(self.pred.detach())
         self.targets.append(self.y.detach())
 
-def validate(self, dl=None):
+@patch
+def validate(self:Learner, dl=None):
     "Loss and metrics on `dl` (default: the validation set), as a list of floats."
     if dl is None and self.dls.valid is None: raise ValueError("there is no validation set: pass `dl`")
     with self.exclusive('validate'):
@@ -585,21 +595,22 @@ def validate(self, dl=None):
         finally: self._cleanup()
     return self.recorder.last_valid
 
-def get_preds(self, dl=None):
+@patch
+def get_preds(self:Learner, dl=None):
     "Predictions and targets over `dl` (default: the validation set), concatenated, on the CPU."
     with self.exclusive('get_preds'), self.added_cbs([GatherPreds()]) as (gather,):
         try: self._do_validate(dl if dl is not None else self.dls.valid)
         finally: self._cleanup()
     return torch.cat(gather.preds).cpu(), torch.cat(gather.targets).cpu()
 
-def predict(self, x):
+@patch
+def predict(self:Learner, x):
     "The model's output for the input batch `x`."
     with self.exclusive('predict'):
         self.model.eval()
         device = next(self.model.parameters()).device
         with torch.no_grad(): return self.model(x.to(device))
 
-Learner.validate, Learner.get_preds, Learner.predict = validate, get_preds, predict
 
 # %% ../nbs/02_learner.ipynb #c028
 def check_state_matches(model, state):
@@ -631,14 +642,16 @@ def restore_training_state(learn, model_state, opt_state):
     learn.model.load_state_dict(model_state)
     learn.opt = opt
 
-def save(self, path, with_opt=True):
+@patch
+def save(self:Learner, path, with_opt=True):
     "Save the model (and optimizer) state to `path`, atomically."
     obj = {'model': self.model.state_dict()}
     if with_opt and self.opt is not None: obj['opt'] = self.opt.state_dict()
     atomic_save(obj, path)
     return path
 
-def load(self, path, with_opt=True):
+@patch
+def load(self:Learner, path, with_opt=True):
     "Load model (and optimizer) state saved by `save`; nothing changes if the file does not fit."
     self._check_owner('load')
     try: obj = torch.load(path, map_location='cpu', weights_only=True)
@@ -653,7 +666,6 @@ def load(self, path, with_opt=True):
         self.model.load_state_dict(obj['model'])
     return self
 
-Learner.save, Learner.load = save, load
 
 # %% ../nbs/02_learner.ipynb #c030
 class EventLog(Callback):

@@ -5,27 +5,63 @@
 # %% ../nbs/01_optimizer.ipynb #c002
 from __future__ import annotations
 
-import importlib.util
 import math
 import numbers
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 # %% auto #0
-__all__ = ['PER_PARAMETER_SETTINGS', 'check_hyper', 'add_hyper_rule', 'spread_hyper', 'check_state_dict_fits', 'find_fast_step',
-           'torch_momentum_name', 'HyperGroup', 'Optimizer', 'sgd_step', 'weight_decay', 'l2_reg', 'average_grad',
-           'momentum_step', 'average_sqr_grad', 'rms_prop_step', 'step_stat', 'debias', 'adam_step', 'SGD', 'RMSProp',
-           'Adam', 'run_steps']
+__all__ = ['AT_LEAST_0', 'ABOVE_0', 'IN_0_1', 'MISSING', 'OPTIMIZER_CALLBACKS', 'FAST_STEP_PLANNERS', 'PER_PARAMETER_SETTINGS',
+           'CallbackFacts', 'callback_function', 'declare_callback', 'callback_facts', 'check_hyper', 'spread_hyper',
+           'check_state_dict_fits', 'find_fast_step', 'torch_momentum_name', 'HyperGroup', 'Optimizer', 'sgd_step',
+           'weight_decay', 'l2_reg', 'average_grad', 'momentum_step', 'average_sqr_grad', 'rms_prop_step', 'step_stat',
+           'debias', 'adam_step', 'SGD', 'RMSProp', 'Adam', 'run_steps']
 
 # %% ../nbs/01_optimizer.ipynb #c004
-_hyper_rules = {
-    'lr': (lambda v: v >= 0, "must be >= 0"),
-    'mom': (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    'sqr_mom': (lambda v: 0 <= v < 1, "must be in [0, 1)"),
-    'eps': (lambda v: v > 0, "must be > 0"),
-    'wd': (lambda v: v >= 0, "must be >= 0"),
-}
+AT_LEAST_0 = (lambda v: v >= 0, "must be >= 0")
+ABOVE_0 = (lambda v: v > 0, "must be > 0")
+IN_0_1 = (lambda v: 0 <= v < 1, "must be in [0, 1)")  # an average's factor: 1 would never forget
+
+class _Missing:
+    def __repr__(self): return 'MISSING'
+MISSING = _Missing()  # a fact not declared yet
+
+@dataclass
+class CallbackFacts:
+    "What the library knows of one optimizer callback besides its code; each fact is declared where it is taught."
+    hypers: object = MISSING  # rules for the hyper-parameters it reads: {name: (check(value), what it must be)}
+    multi_tensor: object = MISSING  # its version working on a whole group of tensors at once (notebook 08)
+    effective_lr: object = MISSING  # `f(p, state, **hypers)`: its factor on each element's step, None if it has none (notebook 10)
+
+    def missing(self):
+        "The names of the facts not declared yet."
+        return [name for name, value in vars(self).items() if value is MISSING]
+
+OPTIMIZER_CALLBACKS = {}  # callback function -> CallbackFacts
+_hyper_rules = {}  # hyper-parameter name -> rule, from the callbacks' declarations
+
+def callback_function(cb):
+    "The function behind an optimizer callback, looking through `functools.partial`."
+    while isinstance(cb, partial): cb = cb.func
+    return cb
+
+def declare_callback(callback, **facts):
+    "Record `facts` (`hypers`, `multi_tensor`, `effective_lr`) about the optimizer callback `callback`; return it."
+    unknown = set(facts) - set(vars(CallbackFacts()))
+    if unknown: raise TypeError(f"unknown facts {sorted(unknown)}; an optimizer callback has {sorted(vars(CallbackFacts()))}")
+    for name, rule in facts.get('hypers', {}).items():
+        if _hyper_rules.get(name, rule) is not rule:
+            raise ValueError(f"{callback.__name__} declares a rule for {name!r} other than the one already declared")
+    entry = OPTIMIZER_CALLBACKS.setdefault(callback_function(callback), CallbackFacts())
+    for name, value in facts.items(): setattr(entry, name, value)
+    _hyper_rules.update(facts.get('hypers', {}))
+    return callback
+
+def callback_facts(cb):
+    "The declared facts about the optimizer callback `cb` (an empty `CallbackFacts` if it was never declared)."
+    return OPTIMIZER_CALLBACKS.get(callback_function(cb), CallbackFacts())
 
 def check_hyper(name, value):
     "Raise a `ValueError` (or `TypeError`) naming `name` if `value` is not a valid setting for it."
@@ -35,9 +71,6 @@ def check_hyper(name, value):
     ok, rule = _hyper_rules[name]
     if not ok(value): raise ValueError(f"hyper-parameter {name!r} {rule}, got {value}")
 
-def add_hyper_rule(name, check, rule):
-    "Check hyper-parameter `name` with `check(value)` from now on, explaining a refusal with `rule`."
-    _hyper_rules[name] = (check, rule)
 
 # %% ../nbs/01_optimizer.ipynb #c007
 def spread_hyper(value, n_groups):
@@ -133,11 +166,14 @@ def _check_group_fits(i, saved, group, defaults, saved_state):
                                  f"parameter has shape {tuple(p.shape)}: the state was saved for another model")
 
 # %% ../nbs/01_optimizer.ipynb #c015
+FAST_STEP_PLANNERS = []  # functions `plan(cbs) -> step or None`; notebook 08 adds its own
+
 def find_fast_step(cbs):
-    "The multi-tensor step from `teachloop.fast` doing what the callbacks `cbs` do, or `None` if there is none."
-    if importlib.util.find_spec('teachloop.fast') is None: return None
-    from teachloop.fast import plan_fast_step  # imported late: `teachloop.fast` builds on this module
-    return plan_fast_step(cbs)
+    "A multi-tensor step doing what the callbacks `cbs` do, from the first planner that has one, or `None`."
+    for plan in FAST_STEP_PLANNERS:
+        step = plan(cbs)
+        if step is not None: return step
+    return None
 
 # %% ../nbs/01_optimizer.ipynb #a02
 PER_PARAMETER_SETTINGS = ('do_wd',)  # state entries that are settings, kept by `clear_state`
@@ -272,6 +308,8 @@ def sgd_step(p, lr, **kwargs):
     "Plain gradient descent: move `p` by `-lr` times its gradient."
     p.add_(p.grad, alpha=-lr)
 
+declare_callback(sgd_step, hypers={'lr': AT_LEAST_0})
+
 # %% ../nbs/01_optimizer.ipynb #c025
 def weight_decay(p, lr, wd, do_wd=True, **kwargs):
     "Decoupled weight decay: shrink `p` by the factor `1 - lr*wd`."
@@ -282,6 +320,9 @@ def l2_reg(p, wd, do_wd=True, **kwargs):
     "L2 regularization: add `wd * p` to the gradient of `p`."
     if do_wd and wd != 0: p.grad.add_(p, alpha=wd)
 l2_reg.defaults = dict(wd=0.)
+
+declare_callback(weight_decay, hypers={'lr': AT_LEAST_0, 'wd': AT_LEAST_0})
+declare_callback(l2_reg, hypers={'wd': AT_LEAST_0})
 
 # %% ../nbs/01_optimizer.ipynb #c029
 def average_grad(p, mom, dampening=False, grad_avg=None, **kwargs):
@@ -297,6 +338,9 @@ def momentum_step(p, lr, grad_avg, **kwargs):
     "Move `p` by `-lr` times the average gradient."
     p.add_(grad_avg, alpha=-lr)
 
+declare_callback(average_grad, hypers={'mom': IN_0_1})
+declare_callback(momentum_step, hypers={'lr': AT_LEAST_0})
+
 # %% ../nbs/01_optimizer.ipynb #c033
 def average_sqr_grad(p, sqr_mom, dampening=True, sqr_avg=None, **kwargs):
     "Keep a running average of the squared gradients in `sqr_avg`."
@@ -310,6 +354,9 @@ def rms_prop_step(p, lr, sqr_avg, eps, grad_avg=None, **kwargs):
     direction = p.grad if grad_avg is None else grad_avg
     p.addcdiv_(direction, sqr_avg.sqrt().add_(eps), value=-lr)
 rms_prop_step.defaults = dict(eps=1e-8)
+
+declare_callback(average_sqr_grad, hypers={'sqr_mom': IN_0_1})
+declare_callback(rms_prop_step, hypers={'lr': AT_LEAST_0, 'eps': ABOVE_0})
 
 # %% ../nbs/01_optimizer.ipynb #c038
 def step_stat(p, step=0, **kwargs):
@@ -327,6 +374,9 @@ def adam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, **kwargs):
     denom = (sqr_avg.sqrt() / math.sqrt(debias2)).add_(eps)
     p.addcdiv_(grad_avg, denom, value=-lr / debias1)
 adam_step.defaults = dict(eps=1e-5)
+
+declare_callback(step_stat, hypers={})
+declare_callback(adam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0})
 
 # %% ../nbs/01_optimizer.ipynb #c042
 def _decay(decouple_wd): return weight_decay if decouple_wd else l2_reg

@@ -10,26 +10,24 @@ from functools import partial
 
 import torch
 
-from .optimizer import (Optimizer, add_hyper_rule, average_grad, average_sqr_grad, debias, l2_reg,
-                                 momentum_step, step_stat, weight_decay)
+from .optimizer import (ABOVE_0, AT_LEAST_0, IN_0_1, Optimizer, average_grad, average_sqr_grad, debias,
+                                 declare_callback, l2_reg, momentum_step, step_stat, weight_decay)
 
 # %% auto #0
-__all__ = ['nesterov_step', 'Nesterov', 'qhadam_step', 'QHAdam', 'rectification', 'radam_step', 'RAdam', 'adam_direction',
-           'trust_ratio', 'lamb_step', 'Lamb', 'lars_scale_grad', 'LARS', 'LARC', 'lion_step', 'Lion',
-           'keep_slow_weights', 'lookahead_step', 'Lookahead']
+__all__ = ['IN_0_1_CLOSED', 'WHOLE_AT_LEAST_1', 'ABOVE_0_TO_1', 'nesterov_step', 'Nesterov', 'qhadam_step', 'QHAdam',
+           'rectification', 'radam_step', 'RAdam', 'adam_direction', 'trust_ratio', 'lamb_step', 'Lamb',
+           'lars_scale_grad', 'LARS', 'LARC', 'lion_step', 'Lion', 'keep_slow_weights', 'lookahead_step', 'Lookahead']
 
 # %% ../nbs/07_optimizers.ipynb #c004
-add_hyper_rule('nu1', lambda v: 0 <= v <= 1, "must be in [0, 1]")
-add_hyper_rule('nu2', lambda v: 0 <= v <= 1, "must be in [0, 1]")
-add_hyper_rule('avg_mom', lambda v: 0 <= v < 1, "must be in [0, 1)")
-add_hyper_rule('trust_coeff', lambda v: v > 0, "must be > 0")
-add_hyper_rule('k', lambda v: v >= 1 and v == int(v), "must be a whole number >= 1")
-add_hyper_rule('alpha', lambda v: 0 < v <= 1, "must be in (0, 1]")
+IN_0_1_CLOSED = (lambda v: 0 <= v <= 1, "must be in [0, 1]")  # a mixing weight: both ends are meaningful
+WHOLE_AT_LEAST_1 = (lambda v: v >= 1 and v == int(v), "must be a whole number >= 1")
+ABOVE_0_TO_1 = (lambda v: 0 < v <= 1, "must be in (0, 1]")
 
 # %% ../nbs/07_optimizers.ipynb #c008
 def nesterov_step(p, lr, mom, grad_avg, **kwargs):
     "Move `p` by `-lr` times the gradient plus `mom` times the average gradient."
     p.add_(p.grad.add(grad_avg, alpha=mom), alpha=-lr)
+declare_callback(nesterov_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1})
 
 def Nesterov(params, lr, mom=0.9, wd=0., decouple_wd=True, fast=None):
     "SGD with Nesterov momentum (Sutskever et al. 2013)."
@@ -44,6 +42,7 @@ def qhadam_step(p, lr, mom, sqr_mom, nu1, nu2, step, grad_avg, sqr_avg, eps, **k
     sqr_average = sqr_avg / debias(sqr_mom, 1 - sqr_mom, step)
     denominator = sqr_average.mul_(nu2).addcmul_(p.grad, p.grad, value=1 - nu2).sqrt_().add_(eps)
     p.addcdiv_(numerator, denominator, value=-lr)
+declare_callback(qhadam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'nu1': IN_0_1_CLOSED, 'nu2': IN_0_1_CLOSED, 'eps': ABOVE_0})
 
 def QHAdam(params, lr=1e-3, mom=0.995, sqr_mom=0.999, nu1=0.7, nu2=1.0, eps=1e-8, wd=0., decouple_wd=True, fast=None):
     "Quasi-hyperbolic Adam (Ma and Yarats 2019), with the paper's recommended defaults."
@@ -65,6 +64,7 @@ def radam_step(p, lr, mom, sqr_mom, step, grad_avg, sqr_avg, eps, **kwargs):
     rect = rectification(sqr_mom, step)
     if rect is None: p.sub_(average * lr)
     else: p.sub_(average * lr * (math.sqrt(1 - sqr_mom ** step) / sqr_avg.sqrt().add_(eps)) * rect)
+declare_callback(radam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0})
 
 def RAdam(params, lr=1e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., decouple_wd=True, fast=None):
     "Rectified Adam (Liu et al. 2020), with the paper's defaults."
@@ -90,6 +90,7 @@ def lamb_step(p, lr, mom, sqr_mom, step, grad_avg, sqr_avg, eps, wd, do_wd=True,
     ratio = trust_ratio(p.norm(), update.norm())
     p.sub_(update.mul_(ratio * lr))
     return {'trust_ratio': ratio}
+declare_callback(lamb_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0, 'wd': AT_LEAST_0})
 
 def Lamb(params, lr=1e-3, mom=0.9, sqr_mom=0.999, eps=1e-6, wd=0.01, fast=None):
     "LAMB (You et al. 2019), with the paper's defaults."
@@ -107,6 +108,7 @@ def lars_scale_grad(p, lr, wd, trust_coeff, eps, clip=False, do_wd=True, **kwarg
     p.grad.mul_(ratio)
     return {'trust_ratio': ratio}
 lars_scale_grad.defaults = dict(trust_coeff=1e-3, eps=1e-8)
+declare_callback(lars_scale_grad, hypers={'lr': AT_LEAST_0, 'wd': AT_LEAST_0, 'trust_coeff': ABOVE_0, 'eps': ABOVE_0})
 
 def LARS(params, lr, mom=0.9, wd=0., trust_coeff=1e-3, eps=1e-8, clip=False, fast=None):
     "LARS (You et al. 2017): SGD with momentum on gradients scaled per tensor; `clip=True` gives LARC."
@@ -124,6 +126,7 @@ def lion_step(p, lr, mom, avg_mom, grad_avg=None, **kwargs):
     p.add_(grad_avg.lerp(p.grad, 1 - mom).sign_(), alpha=-lr)
     grad_avg.lerp_(p.grad, 1 - avg_mom)
     return {'grad_avg': grad_avg}
+declare_callback(lion_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'avg_mom': IN_0_1})
 
 def Lion(params, lr=1e-4, mom=0.9, avg_mom=0.99, wd=0., fast=None):
     "Lion (Chen et al. 2023), with the paper's defaults."
@@ -133,6 +136,7 @@ def Lion(params, lr=1e-4, mom=0.9, avg_mom=0.99, wd=0., fast=None):
 def keep_slow_weights(p, slow_weights=None, **kwargs):
     "Copy the weights into `slow_weights` the first time."
     if slow_weights is None: return {'slow_weights': p.detach().clone(), 'lookahead_count': 0}
+declare_callback(keep_slow_weights, hypers={})
 
 def lookahead_step(p, k, alpha, slow_weights, lookahead_count, **kwargs):
     "Every `k`-th step, move the slow weights by `alpha` towards `p` and restart `p` from them."
@@ -142,6 +146,7 @@ def lookahead_step(p, k, alpha, slow_weights, lookahead_count, **kwargs):
         p.copy_(slow_weights)
     return {'lookahead_count': lookahead_count}
 lookahead_step.defaults = dict(k=5, alpha=0.5)
+declare_callback(lookahead_step, hypers={'k': WHOLE_AT_LEAST_1, 'alpha': ABOVE_0_TO_1})
 
 def Lookahead(opt, k=5, alpha=0.5):
     "An optimizer doing what `opt` does plus Lookahead's pull-back: use it in place of `opt`."

@@ -16,6 +16,7 @@ from functools import partial
 
 import numpy as np
 import torch
+from fastcore.basics import patch
 
 from .callbacks import hypers_read, smooth_values
 from .data import DataLoaders
@@ -26,9 +27,8 @@ from .random_state import loader_generators, rng_states, set_rng_states
 # %% auto #0
 __all__ = ['SUGGEST_FUNCS', 'annealing_no', 'annealing_linear', 'annealing_cos', 'annealing_exp', 'annealing_poly',
            'schedule_pct', 'Stepper', 'combine_scheds', 'combined_cos', 'preview_values', 'plot_schedules',
-           'check_scheds_fit', 'ParamScheduler', 'one_cycle_scheds', 'fit_one_cycle', 'fit_flat_cos', 'sgdr_epochs',
-           'fit_sgdr', 'LRFinder', 'minimum', 'steep', 'longest_descent', 'valley', 'slide', 'suggest_lrs',
-           'plot_lr_find', 'state_restored', 'lr_find']
+           'check_scheds_fit', 'ParamScheduler', 'one_cycle_scheds', 'sgdr_epochs', 'LRFinder', 'minimum', 'steep',
+           'longest_descent', 'valley', 'slide', 'suggest_lrs', 'plot_lr_find', 'state_restored']
 
 # %% ../nbs/06_schedule.ipynb #c004
 def annealing_no(start, end, pct):
@@ -206,11 +206,11 @@ def _opt_created(learn):
         if created: learn.opt = None
         raise
 
-def _fit_scheduled(learn, n_epoch, scheds, wd, cbs, resume, background):
-    return learn.fit(n_epoch, wd=wd, cbs=[ParamScheduler(scheds)] + callback_list(cbs), resume=resume,
-                     background=background)
+def _fit_scheduled(learn, n_epoch, scheds, wd, cbs, resume):
+    return learn.fit(n_epoch, wd=wd, cbs=[ParamScheduler(scheds)] + callback_list(cbs), resume=resume)
 
-def fit_one_cycle(self,
+@patch
+def fit_one_cycle(self:Learner,
                   n_epoch:int,  # number of epochs
                   lr_max=None,  # peak learning rate (number or slice); None: the learner's `lr`
                   div=25.,  # the learning rate starts at lr_max/div
@@ -220,7 +220,6 @@ def fit_one_cycle(self,
                   moms=None,  # momentum (start, middle, end); None: the learner's `moms`
                   cbs=None,  # extra callbacks for this fit
                   resume=None,  # checkpoint to continue from (see `Learner.fit`)
-                  background=False,  # run in a background thread and return its handle (see `Learner.fit`)
                  ):
     "Fit with the one-cycle policy: cosine warm-up of the learning rate to `lr_max`, cosine decay; momentum the other way."
     self._check_owner('fit_one_cycle')
@@ -235,10 +234,11 @@ def fit_one_cycle(self,
                              f"{sorted(hypers_read(opt))}): momentum would not change; leave moms out")
         scheds = one_cycle_scheds(_group_lrs(self, lr_max), div, div_final, pct_start,
                                   (self.moms if moms is None else moms) if has_mom else None)
-    return _fit_scheduled(self, n_epoch, scheds, wd, cbs, resume, background)
+    return _fit_scheduled(self, n_epoch, scheds, wd, cbs, resume)
 
 # %% ../nbs/06_schedule.ipynb #c029
-def fit_flat_cos(self,
+@patch
+def fit_flat_cos(self:Learner,
                  n_epoch:int,  # number of epochs
                  lr=None,  # the flat learning rate (number or slice); None: the learner's `lr`
                  div_final=1e5,  # the learning rate ends at lr/div_final
@@ -246,7 +246,6 @@ def fit_flat_cos(self,
                  wd=None,  # weight decay for this fit; None keeps the optimizer's
                  cbs=None,  # extra callbacks for this fit
                  resume=None,  # checkpoint to continue from (see `Learner.fit`)
-                 background=False,  # run in a background thread and return its handle (see `Learner.fit`)
                 ):
     "Fit with a flat learning rate for `pct_start` of training, then a cosine decay to `lr/div_final`."
     check_fit_args(n_epoch, None, wd)
@@ -254,7 +253,7 @@ def fit_flat_cos(self,
     def lr_sched(top): return combined_cos(pct_start, top, top, top / div_final)
     self._check_owner('fit_flat_cos')
     with _opt_created(self): lrs = _group_lrs(self, lr)
-    return _fit_scheduled(self, n_epoch, {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs, resume, background)
+    return _fit_scheduled(self, n_epoch, {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs, resume)
 
 def sgdr_epochs(n_cycles, cycle_len, cycle_mult=2):
     "The length in epochs of each of the `n_cycles` cycles of SGDR."
@@ -263,7 +262,8 @@ def sgdr_epochs(n_cycles, cycle_len, cycle_mult=2):
             raise ValueError(f"{name} must be a whole number >= 1, got {value!r}")
     return [cycle_len * cycle_mult ** i for i in range(n_cycles)]
 
-def fit_sgdr(self,
+@patch
+def fit_sgdr(self:Learner,
              n_cycles:int,  # number of cosine cycles
              cycle_len:int,  # epochs in the first cycle
              lr_max=None,  # learning rate at the start of each cycle (number or slice); None: the learner's `lr`
@@ -271,7 +271,6 @@ def fit_sgdr(self,
              wd=None,  # weight decay for this fit; None keeps the optimizer's
              cbs=None,  # extra callbacks for this fit
              resume=None,  # checkpoint to continue from (see `Learner.fit`)
-             background=False,  # run in a background thread and return its handle (see `Learner.fit`)
             ):
     "Fit with warm restarts: `n_cycles` cosine decays from `lr_max` to 0, each `cycle_mult` times longer than the last."
     epochs = sgdr_epochs(n_cycles, cycle_len, cycle_mult)
@@ -279,9 +278,8 @@ def fit_sgdr(self,
     def lr_sched(top): return combine_scheds([e / sum(epochs) for e in epochs], [partial(annealing_cos, top, 0.)] * len(epochs))
     self._check_owner('fit_sgdr')
     with _opt_created(self): lrs = _group_lrs(self, lr_max)
-    return _fit_scheduled(self, sum(epochs), {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs, resume, background)
+    return _fit_scheduled(self, sum(epochs), {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs, resume)
 
-Learner.fit_one_cycle, Learner.fit_flat_cos, Learner.fit_sgdr = fit_one_cycle, fit_flat_cos, fit_sgdr
 
 # %% ../nbs/06_schedule.ipynb #c038
 class LRFinder(Callback):
@@ -419,7 +417,8 @@ def _check_lr_find_args(start_lr, end_lr, num_it, suggest_funcs):
     if not all(callable(f) for f in suggest_funcs):
         raise TypeError("suggest_funcs must be functions f(lrs, losses) -> learning rate")
 
-def lr_find(self,
+@patch
+def lr_find(self:Learner,
             start_lr=1e-7,  # learning rate of the first batch
             end_lr=10,  # learning rate of batch `num_it` (if the run gets that far)
             num_it=100,  # number of batches
@@ -440,4 +439,3 @@ def lr_find(self,
     if show_plot: plot_lr_find(finder.lrs, finder.smooth_losses, suggestions)
     return suggestions
 
-Learner.lr_find = lr_find

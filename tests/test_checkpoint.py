@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teachloop.checkpoint import (Checkpoint, EarlyStopping, ReduceLROnPlateau, SaveModel, TrackerCallback,
-                                  read_checkpoint, save_checkpoint)
+                                  read_checkpoint)
 from teachloop.data import digits_cnn, digits_dls
 from teachloop.learner import Callback, CancelFitException, Learner
 from teachloop.optimizer import SGD, Adam
@@ -122,7 +122,7 @@ def test_keep_removes_only_files_this_callback_wrote(tmp_path):
 def test_a_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     learn = make_learner()
     learn.fit(1)
-    save_checkpoint(learn, tmp_path / 'ck.pt')
+    learn.save_checkpoint(tmp_path / 'ck.pt')
     good = (tmp_path / 'ck.pt').read_bytes()
     real_save = torch.save
     def crashing_save(obj, f, *args, **kwargs):
@@ -131,7 +131,7 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypa
         raise OSError("disk full")
     monkeypatch.setattr(torch, 'save', crashing_save)
     learn.fit(1)
-    with pytest.raises(OSError, match='disk full'): save_checkpoint(learn, tmp_path / 'ck.pt')
+    with pytest.raises(OSError, match='disk full'): learn.save_checkpoint(tmp_path / 'ck.pt')
     assert (tmp_path / 'ck.pt').read_bytes() == good and os.listdir(tmp_path) == ['ck.pt']
 
 

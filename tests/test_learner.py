@@ -704,8 +704,9 @@ def test_a_cancel_raised_after_its_part_is_an_error_naming_the_event(event, exc)
 
 
 def test_a_background_fit_takes_every_step_whatever_the_main_thread_calls():
-    "Reported: validate/get_preds/fit during `fit(background=True)` flipped its state and 19-24 of 40 steps were taken."
+    "Reported: validate/get_preds/fit during a background fit flipped its state and 19-24 of 40 steps were taken."
     import threading
+    from teachloop.dashboard import fit_background
     from teachloop.schedule import fit_one_cycle, lr_find  # noqa: F401  (add the Learner methods)
     def learner():
         torch.manual_seed(0)
@@ -721,7 +722,7 @@ def test_a_background_fit_takes_every_step_whatever_the_main_thread_calls():
                 started.set()
                 release.wait(10)
     learn = learner()
-    handle = learn.fit(2, cbs=[HoldAtBatch()], background=True)
+    handle = fit_background(learn, 2, cbs=[HoldAtBatch()])
     try:
         assert started.wait(10)
         for call in (learn.validate, learn.get_preds, lambda: learn.fit(1), lambda: learn.fit_one_cycle(1),

@@ -1302,4 +1302,8 @@ d = { 'settings': { 'branch': 'main',
                                     'teachloop.schedule.state_restored': ('schedule.html#state_restored', 'teachloop/schedule.py'),
                                     'teachloop.schedule.steep': ('schedule.html#steep', 'teachloop/schedule.py'),
                                     'teachloop.schedule.suggest_lrs': ('schedule.html#suggest_lrs', 'teachloop/schedule.py'),
-                                    'teachloop.schedule.valley': ('schedule.html#valley', 'teachloop/schedule.py')}}}
+                                    'teachloop.schedule.valley': ('schedule.html#valley', 'teachloop/schedule.py')},
+            'teachloop.testing': { 'teachloop.testing.digits_learner': ('testing.html#digits_learner', 'teachloop/testing.py'),
+                                   'teachloop.testing.quiet': ('testing.html#quiet', 'teachloop/testing.py'),
+                                   'teachloop.testing.tiny_dls': ('testing.html#tiny_dls', 'teachloop/testing.py'),
+                                   'teachloop.testing.tiny_learner': ('testing.html#tiny_learner', 'teachloop/testing.py')}}}

@@ -207,6 +207,7 @@ def plot_sched(self:Recorder, keys=('lr', 'mom'), axs=None):
 
 # %% ../nbs/03_callbacks.ipynb #c018
 def format_row(row, widths):
+    "One row of the epoch table: numbers right-aligned in columns of `widths`, the last one (the time) in seconds."
     return '  '.join(f"{v:>{w}.6f}" if isinstance(v, float) and i < len(row) - 1 else
                      (f"{v:>{w}.1f}s" if isinstance(v, float) else f"{v:>{w}}") for i, (v, w) in enumerate(zip(row, widths)))
 

@@ -36,6 +36,7 @@ def plot_training(recorder, path=None):
 
 # %% ../nbs/04_demo.ipynb #c005
 def parse_args(argv=None):
+    "The demo's command-line options (epochs, output file, ...)."
     parser = argparse.ArgumentParser(description="Train a small CNN on handwritten digits and save a picture of the training.")
     parser.add_argument('--epochs', type=int, default=8, help="passes over the training data")
     parser.add_argument('--lr', type=float, default=1e-2, help="peak learning rate of Adam's one-cycle schedule")

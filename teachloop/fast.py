@@ -87,11 +87,13 @@ def l2_reg_multi(group, wd, **kwargs):
 
 @multi_tensor_version_of(sgd_step)
 def sgd_step_multi(group, lr, **kwargs):
+    "`sgd_step` on every tensor of the group at once."
     torch._foreach_add_(group.params, group.grads, alpha=-lr)
 
 # %% ../nbs/08_fast_optimizers.ipynb #c010
 @multi_tensor_version_of(average_grad)
 def average_grad_multi(group, mom, dampening=False, **kwargs):
+    "`average_grad` on every tensor of the group at once."
     averages = group.state_tensors('grad_avg')
     if dampening: torch._foreach_lerp_(averages, group.grads, 1 - mom)
     else:
@@ -100,16 +102,19 @@ def average_grad_multi(group, mom, dampening=False, **kwargs):
 
 @multi_tensor_version_of(average_sqr_grad)
 def average_sqr_grad_multi(group, sqr_mom, dampening=True, **kwargs):
+    "`average_sqr_grad` on every tensor of the group at once."
     averages = group.state_tensors('sqr_avg')
     torch._foreach_mul_(averages, sqr_mom)
     torch._foreach_addcmul_(averages, group.grads, group.grads, value=1 - sqr_mom if dampening else 1.)
 
 @multi_tensor_version_of(momentum_step)
 def momentum_step_multi(group, lr, **kwargs):
+    "`momentum_step` on every tensor of the group at once."
     torch._foreach_add_(group.params, group.state_tensors('grad_avg'), alpha=-lr)
 
 @multi_tensor_version_of(rms_prop_step)
 def rms_prop_step_multi(group, lr, eps, **kwargs):
+    "`rms_prop_step` on every tensor of the group at once."
     has_average = all('grad_avg' in s for s in group.states)
     direction = group.state_tensors('grad_avg') if has_average else group.grads
     denominators = torch._foreach_sqrt(group.state_tensors('sqr_avg'))
@@ -118,11 +123,13 @@ def rms_prop_step_multi(group, lr, eps, **kwargs):
 
 @multi_tensor_version_of(step_stat)
 def step_stat_multi(group, **kwargs):
+    "`step_stat` on every tensor of the group at once."
     for state in group.states: state['step'] = state.get('step', 0) + 1
 
 @multi_tensor_version_of(adam_step)
 @per_step_count
 def adam_step_multi(group, lr, mom, sqr_mom, eps, step, **kwargs):
+    "`adam_step` on every tensor of the group at once."
     denominators = torch._foreach_sqrt(group.state_tensors('sqr_avg'))
     torch._foreach_div_(denominators, math.sqrt(debias(sqr_mom, 1 - sqr_mom, step)))
     torch._foreach_add_(denominators, eps)
@@ -132,12 +139,14 @@ def adam_step_multi(group, lr, mom, sqr_mom, eps, step, **kwargs):
 # %% ../nbs/08_fast_optimizers.ipynb #c012
 @multi_tensor_version_of(nesterov_step)
 def nesterov_step_multi(group, lr, mom, **kwargs):
+    "`nesterov_step` on every tensor of the group at once."
     directions = torch._foreach_add(group.grads, group.state_tensors('grad_avg'), alpha=mom)
     torch._foreach_add_(group.params, directions, alpha=-lr)
 
 @multi_tensor_version_of(qhadam_step)
 @per_step_count
 def qhadam_step_multi(group, lr, mom, sqr_mom, nu1, nu2, eps, step, **kwargs):
+    "`qhadam_step` on every tensor of the group at once."
     numerators = torch._foreach_div(group.state_tensors('grad_avg'), debias(mom, 1 - mom, step))
     torch._foreach_mul_(numerators, nu1)
     torch._foreach_add_(numerators, group.grads, alpha=1 - nu1)
@@ -151,6 +160,7 @@ def qhadam_step_multi(group, lr, mom, sqr_mom, nu1, nu2, eps, step, **kwargs):
 @multi_tensor_version_of(radam_step)
 @per_step_count
 def radam_step_multi(group, lr, mom, sqr_mom, eps, step, **kwargs):
+    "`radam_step` on every tensor of the group at once."
     updates = torch._foreach_div(group.state_tensors('grad_avg'), debias(mom, 1 - mom, step))
     torch._foreach_mul_(updates, lr)
     rect = rectification(sqr_mom, step)
@@ -177,6 +187,7 @@ def decay_factors(group, wd):
 @multi_tensor_version_of(lamb_step)
 @per_step_count
 def lamb_step_multi(group, lr, mom, sqr_mom, eps, wd, step, **kwargs):
+    "`lamb_step` on every tensor of the group at once."
     denominators = torch._foreach_sqrt(group.state_tensors('sqr_avg'))
     torch._foreach_div_(denominators, math.sqrt(debias(sqr_mom, 1 - sqr_mom, step)))
     torch._foreach_add_(denominators, eps)
@@ -192,6 +203,7 @@ def lamb_step_multi(group, lr, mom, sqr_mom, eps, wd, step, **kwargs):
 
 @multi_tensor_version_of(lars_scale_grad)
 def lars_scale_grad_multi(group, lr, wd, trust_coeff, eps, clip=False, **kwargs):
+    "`lars_scale_grad` on every tensor of the group at once."
     weight_norms, decays = norms(group.params), decay_factors(group, wd)
     ratios = trust_ratio(trust_coeff * weight_norms, norms(group.grads) + decays * weight_norms + eps)
     if clip: ratios = (ratios / lr).clamp_max_(1.)
@@ -202,6 +214,7 @@ def lars_scale_grad_multi(group, lr, wd, trust_coeff, eps, clip=False, **kwargs)
 
 @multi_tensor_version_of(lion_step)
 def lion_step_multi(group, lr, mom, avg_mom, **kwargs):
+    "`lion_step` on every tensor of the group at once."
     averages = group.state_tensors('grad_avg')
     directions = torch._foreach_lerp(averages, group.grads, 1 - mom)
     torch._foreach_sign_(directions)
@@ -210,11 +223,13 @@ def lion_step_multi(group, lr, mom, avg_mom, **kwargs):
 
 @multi_tensor_version_of(keep_slow_weights)
 def keep_slow_weights_multi(group, **kwargs):
+    "`keep_slow_weights` on every tensor of the group at once."
     for p, state in zip(group.params, group.states):
         if 'slow_weights' not in state: state.update(keep_slow_weights(p))
 
 @multi_tensor_version_of(lookahead_step)
 def lookahead_step_multi(group, k, alpha, **kwargs):
+    "`lookahead_step` on every tensor of the group at once."
     for state in group.states: state['lookahead_count'] += 1
     due = group.subset([i for i, s in enumerate(group.states) if s['lookahead_count'] % k == 0])
     if not len(due): return

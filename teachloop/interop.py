@@ -29,10 +29,12 @@ def torch_location(group, name):
     return None
 
 def read_hyper(group, location):
+    "The value at `location` (a key, and an index into a tuple such as `betas`, or None) of a torch group."
     key, index = location
     return group[key] if index is None else group[key][index]
 
 def write_hyper(group, location, value):
+    "Set the value at `location` of a torch group to `value` (a tuple such as `betas` is rebuilt)."
     key, index = location
     if index is None: group[key] = value
     else: group[key] = tuple(value if i == index else v for i, v in enumerate(group[key]))

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 # %% auto #0
-__all__ = ['set_seed', 'rng_readers', 'rng_states', 'set_rng_states', 'same_state', 'saveable_rng', 'loader_generators']
+__all__ = ['set_seed', 'same_state', 'saveable_rng', 'rng_readers', 'rng_states', 'set_rng_states', 'loader_generators']
 
 # %% ../nbs/00b_random_state.ipynb #c005
 def set_seed(seed:int,  # the seed for every generator
@@ -28,6 +28,39 @@ def set_seed(seed:int,  # the seed for every generator
         os.environ.setdefault('CUBLAS_WORKSPACE_CONFIG', ':4096:8')
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
+
+
+# %% ../nbs/00b_random_state.ipynb #c011
+def _plain(value):
+    "numpy arrays and scalars in `value` as tensors (their bits, with the dtype) and Python numbers."
+    if isinstance(value, np.ndarray):
+        return {'ndarray': value.dtype.str, 'bits': torch.from_numpy(value.view(f'i{value.itemsize}').copy())}
+    if isinstance(value, np.generic): return value.item()
+    if isinstance(value, dict): return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, tuple): return tuple(_plain(v) for v in value)
+    return value
+
+def _from_plain(value):
+    if isinstance(value, dict):
+        if set(value) == {'ndarray', 'bits'}: return value['bits'].numpy().view(np.dtype(value['ndarray']))
+        return {k: _from_plain(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)): return tuple(_from_plain(v) for v in value)
+    return value
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor): return torch.equal(a, b)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray): return np.array_equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict): return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, tuple) and isinstance(b, tuple): return len(a) == len(b) and all(map(_same, a, b))
+    return a == b
+
+def same_state(a, b):
+    "Whether two random states are equal, comparing arrays by value (for states as read, or as `saveable_rng` wrote)."
+    return _same(_from_plain(a), _from_plain(b))
+
+def saveable_rng(states):
+    "`states` with numpy's state as tensors and numbers, so that `torch.load(weights_only=True)` accepts it."
+    return {**states, 'numpy': _plain(states['numpy'])} if 'numpy' in states else states
 
 
 # %% ../nbs/00b_random_state.ipynb #c008
@@ -70,39 +103,6 @@ def _set_cuda_rng_states(saved):
     return [f"the states were read with {len(saved)} GPU(s) and this machine has {n}: "
             + (f"GPU(s) {n}..{len(saved) - 1} of the saved states have no device here" if len(saved) > n
                else f"GPU(s) {len(saved)}..{n - 1} keep their own states")]
-
-
-# %% ../nbs/00b_random_state.ipynb #c011
-def _plain(value):
-    "numpy arrays and scalars in `value` as tensors (their bits, with the dtype) and Python numbers."
-    if isinstance(value, np.ndarray):
-        return {'ndarray': value.dtype.str, 'bits': torch.from_numpy(value.view(f'i{value.itemsize}').copy())}
-    if isinstance(value, np.generic): return value.item()
-    if isinstance(value, dict): return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, tuple): return tuple(_plain(v) for v in value)
-    return value
-
-def _from_plain(value):
-    if isinstance(value, dict):
-        if set(value) == {'ndarray', 'bits'}: return value['bits'].numpy().view(np.dtype(value['ndarray']))
-        return {k: _from_plain(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)): return tuple(_from_plain(v) for v in value)
-    return value
-
-def _same(a, b):
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor): return torch.equal(a, b)
-    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray): return np.array_equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict): return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, tuple) and isinstance(b, tuple): return len(a) == len(b) and all(map(_same, a, b))
-    return a == b
-
-def same_state(a, b):
-    "Whether two random states are equal, comparing arrays by value (for states as read, or as `saveable_rng` wrote)."
-    return _same(_from_plain(a), _from_plain(b))
-
-def saveable_rng(states):
-    "`states` with numpy's state as tensors and numbers, so that `torch.load(weights_only=True)` accepts it."
-    return {**states, 'numpy': _plain(states['numpy'])} if 'numpy' in states else states
 
 
 # %% ../nbs/00b_random_state.ipynb #c014

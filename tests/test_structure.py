@@ -1,0 +1,207 @@
+"""How the library is laid out: imports only point down the layers of the course, each public name is one thing."""
+import ast
+import importlib
+import inspect
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import teachloop
+import teachloop.all
+
+PACKAGE = Path(teachloop.__file__).parent
+
+# The layers, lowest first. A module may import modules of its own layer or of lower ones, never of a higher one;
+# inside a layer the imports must not form a cycle.
+LAYERS = [
+    {'core', 'random_state'},  # helpers every layer needs
+    {'data'},
+    {'optimizer', 'optimizers', 'fast', 'interop'},
+    {'learner'},  # the callback core and the training loop
+    {'callbacks', 'schedule', 'effective_lr', 'nan_capture', 'checkpoint', 'faults', 'testing', 'demo'},
+    {'momentum', 'dashboard'},  # widgets
+    {'all'},
+    {'designs'},  # the historical designs, in their own subpackage
+]
+
+
+def module_names():
+    "Every module of the package, dotted below `teachloop` ('learner', 'designs.callbacks_v1', ...)."
+    names = []
+    for path in sorted(PACKAGE.rglob('*.py')):
+        parts = path.relative_to(PACKAGE).with_suffix('').parts
+        if parts[-1] == '__init__': parts = parts[:-1]
+        if parts and parts[-1] != '_modidx': names.append('.'.join(parts))
+    return names
+
+
+def layer_of(name):
+    for i, layer in enumerate(LAYERS):
+        if name in layer or name.split('.')[0] in layer: return i
+    raise AssertionError(f"module teachloop.{name} is in no layer: add it to LAYERS")
+
+
+def imported_teachloop_modules(name):
+    "[(module imported, line, at module level?)] for each import of a teachloop module in `teachloop.<name>`."
+    path = PACKAGE / (name.replace('.', '/') + '.py')
+    if not path.exists(): path = PACKAGE / name.replace('.', '/') / '__init__.py'
+    tree = ast.parse(path.read_text())
+    package = ['teachloop'] + name.split('.')[:-1] if path.name != '__init__.py' else ['teachloop'] + name.split('.')
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        targets = []
+        if isinstance(node, ast.ImportFrom):
+            base = package[:len(package) - node.level + 1] if node.level else []
+            module = '.'.join(base + ([node.module] if node.module else []))
+            targets = [module] if node.module else [f"{module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import): targets = [a.name for a in node.names]
+        for target in targets:
+            if target == 'teachloop' or target.startswith('teachloop.'):
+                inner = target[len('teachloop.'):] if target != 'teachloop' else ''
+                found.append((inner, node.lineno, id(node) in top_level))
+    return found
+
+
+def import_graph():
+    known = set(module_names())
+    graph = {}
+    for name in known:
+        graph[name] = {}
+        for target, line, top in imported_teachloop_modules(name):
+            # `from teachloop import x` names a module x, `from teachloop.x import y` the module x
+            while target and target not in known: target = target.rpartition('.')[0]
+            if target and target != name: graph[name][target] = (line, top)
+    return graph
+
+
+def test_every_module_is_in_a_layer():
+    for name in module_names(): layer_of(name)
+
+
+def test_no_function_imports_a_teachloop_module():
+    late = [f"teachloop.{name}:{line} imports teachloop.{target or ''}" for name in module_names()
+            for target, line, top in imported_teachloop_modules(name) if not top]
+    assert late == [], "imports inside functions hide cycles; import at the top, from a lower layer:\n" + '\n'.join(late)
+
+
+def test_imports_only_point_down_the_layers():
+    upward = [f"teachloop.{name} (layer {layer_of(name)}) imports teachloop.{target} (layer {layer_of(target)}) "
+              f"at line {line}" for name, targets in import_graph().items() for target, (line, _) in targets.items()
+              if layer_of(target) > layer_of(name)]
+    assert upward == [], '\n'.join(upward)
+
+
+def test_the_import_graph_has_no_cycle():
+    graph, state, cycles = import_graph(), {}, []
+    def visit(name, path):
+        state[name] = 'open'
+        for target in graph[name]:
+            if state.get(target) == 'open': cycles.append(path[path.index(target):] + [target])
+            elif target not in state: visit(target, path + [target])
+        state[name] = 'done'
+    for name in sorted(graph):
+        if name not in state: visit(name, [name])
+    assert cycles == [], '\n'.join(' -> '.join(c) for c in cycles)
+
+
+def test_the_check_sees_an_upward_and_a_late_import(tmp_path, monkeypatch):
+    "The parser finds what these tests look for (run on a made-up module)."
+    fake = tmp_path / 'teachloop'
+    fake.mkdir()
+    (fake / 'optimizer.py').write_text("from .learner import Learner\ndef f():\n    from teachloop.dashboard import x\n")
+    monkeypatch.setattr(__import__(__name__), 'PACKAGE', fake)
+    assert imported_teachloop_modules('optimizer') == [('learner', 1, True), ('dashboard', 3, False)]
+
+
+def exported():
+    "(module name, exported name, object) for every public name of every module of the package."
+    for name in module_names():
+        if name == 'all': continue  # it re-exports the others
+        module = importlib.import_module(f'teachloop.{name}' if name else 'teachloop')
+        for public in getattr(module, '__all__', []): yield name, public, getattr(module, public)
+
+
+def test_no_exported_function_is_a_method_in_disguise():
+    classes = [obj for _, _, obj in exported() if inspect.isclass(obj)]
+    methods = {id(inspect.unwrap(v)) for cls in classes for v in vars(cls).values() if callable(v)}
+    wrong = [f"teachloop.{module}.{public}" for module, public, obj in exported() if inspect.isfunction(obj)
+             and (id(inspect.unwrap(obj)) in methods or next(iter(inspect.signature(obj).parameters), '') == 'self')]
+    assert wrong == [], f"methods exported as module functions (add them with @patch, or inside the class): {wrong}"
+
+
+def test_methods_added_by_later_notebooks_carry_their_class_name():
+    from teachloop.learner import Learner
+    for method in ('fit', 'validate', 'save', 'fit_one_cycle', 'lr_find', 'save_checkpoint', 'resume_callback'):
+        assert getattr(Learner, method).__qualname__ == f'Learner.{method}'
+
+
+def test_no_two_modules_export_a_name_for_different_things():
+    owners = {}
+    for module, public, obj in exported():
+        owners.setdefault(public, {})[id(obj)] = module
+    clashes = {name: sorted(mods.values()) for name, mods in owners.items() if len(mods) > 1}
+    assert clashes == {}
+
+
+def test_teachloop_all_binds_each_name_once_and_no_method_nor_design():
+    names = teachloop.all.__all__
+    assert [n for n, c in Counter(names).items() if c > 1] == []
+    namespace = {}
+    exec('from teachloop.all import *', namespace)
+    assert {'Learner', 'Adam', 'Recorder', 'fit_one_cycle'} & set(namespace) == {'Learner', 'Adam', 'Recorder'}
+    assert not {'fit', 'save', 'load', 'before_fit', 'update'} & set(namespace)
+    assert all(not getattr(namespace[n], '__module__', '').startswith('teachloop.designs') for n in names)
+
+
+def test_each_public_function_and_class_has_a_one_line_docstring():
+    bad = [f"teachloop.{module}.{public}" for module, public, obj in exported()
+           if (inspect.isfunction(obj) or inspect.isclass(obj)) and obj.__module__.startswith('teachloop')
+           and (not obj.__doc__ or '\n' in obj.__doc__.strip())]
+    assert bad == []
+
+
+def exported_optimizer_callbacks():
+    "Every callback that an exported optimizer of teachloop runs, found by building each one."
+    import torch
+    from teachloop.optimizer import Optimizer, callback_function
+    from teachloop import optimizer, optimizers
+    found = set()
+    for module in (optimizer, optimizers):
+        for public in module.__all__:
+            make = getattr(module, public)
+            if not inspect.isfunction(make) or public[0].islower(): continue
+            param = torch.nn.Parameter(torch.zeros(2))
+            try: opt = make([param], lr=0.1)
+            except TypeError: opt = make(optimizer.SGD([param], lr=0.1))  # Lookahead wraps an optimizer
+            assert isinstance(opt, Optimizer), public
+            found.update(callback_function(cb) for cb in opt.cbs)
+    return found
+
+
+def test_every_optimizer_callback_declares_its_rules_multi_tensor_version_and_effective_lr():
+    from teachloop.optimizer import OPTIMIZER_CALLBACKS, callback_facts
+    callbacks = exported_optimizer_callbacks()
+    assert len(callbacks) >= 15 and callbacks <= set(OPTIMIZER_CALLBACKS)
+    incomplete = {cb.__name__: callback_facts(cb).missing() for cb in callbacks if callback_facts(cb).missing()}
+    assert incomplete == {}
+    for cb in callbacks:
+        facts = callback_facts(cb)
+        assert isinstance(facts.hypers, dict) and callable(facts.multi_tensor), cb.__name__
+        assert facts.effective_lr is None or callable(facts.effective_lr), cb.__name__
+        # the rules cover every hyper-parameter the callback reads that has a rule anywhere
+        reads = set(inspect.signature(cb).parameters)
+        from teachloop.optimizer import _hyper_rules
+        assert {h for h in reads if h in _hyper_rules} <= set(facts.hypers), cb.__name__
+
+
+def test_a_callback_without_a_declaration_is_reported_missing():
+    from teachloop.optimizer import callback_facts, declare_callback, OPTIMIZER_CALLBACKS
+    def new_step(p, lr, **kwargs): p.add_(p.grad, alpha=-lr)
+    assert callback_facts(new_step).missing() == ['hypers', 'multi_tensor', 'effective_lr']
+    try:
+        declare_callback(new_step, effective_lr=None)
+        assert callback_facts(new_step).missing() == ['hypers', 'multi_tensor']
+        with pytest.raises(TypeError, match='unknown facts'): declare_callback(new_step, speed=1)
+    finally: OPTIMIZER_CALLBACKS.pop(new_step, None)

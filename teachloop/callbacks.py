@@ -95,6 +95,8 @@ def _hyper_reader(opt):
     return lambda: _hyper_values(opt)
 
 # %% ../nbs/03_callbacks.ipynb #c014
+def _cpu_tensor(tensors): return torch.cat([t.detach().cpu().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+
 class Recorder(Callback):
     "Record batch losses, hyper-parameters and per-epoch losses and metrics, reading values once per epoch."
     order = 50
@@ -176,6 +178,23 @@ class Recorder(Callback):
 
     @property
     def lrs(self): return self.hps['lr']
+
+    def state_dict(self, values=None):
+        "The history: batch losses (those of the epoch in progress apart), hyper-parameters per batch, rows (or `values`)."
+        return {'losses': _cpu_tensor(self._loss_chunks), 'epoch_losses': _cpu_tensor(self._epoch_losses),
+                'epoch_sizes': list(self._epoch_sizes), 'hps': {k: list(v) for k, v in self.hps.items()},
+                'values': [list(r) for r in (self.values if values is None else values)]}
+
+    def load_state_dict(self, state):
+        "Take the history `state_dict` saved."
+        self._loss_chunks = [state['losses']] if len(state['losses']) else []
+        self.hps = defaultdict(list, {k: list(v) for k, v in state['hps'].items()})
+        self.values = [list(r) for r in state['values']]
+        self.load_epoch_in_progress(state)
+
+    def load_epoch_in_progress(self, state):
+        "Take the losses of the epoch in progress that `state_dict` saved (a fit resumed mid-epoch)."
+        self._epoch_losses, self._epoch_sizes = list(state['epoch_losses'].unbind()), list(state['epoch_sizes'])
 
 # %% ../nbs/03_callbacks.ipynb #c016
 @patch

@@ -21,35 +21,15 @@ from .learner import (Callback, CancelFitException, Learner, check_state_matches
 from .random_state import loader_generators, rng_readers, rng_states, saveable_rng, set_rng_states
 
 # %% auto #0
-__all__ = ['FORMAT', 'recorder_state', 'load_recorder_state', 'load_epoch_in_progress', 'epoch_rows', 'checkpoint_state',
-           'read_checkpoint', 'check_checkpoint_fits', 'restore_checkpoint', 'Resume', 'replace_with_link',
-           'Checkpoint', 'TrackerCallback', 'SaveModel', 'EarlyStopping', 'ReduceLROnPlateau']
-
-# %% ../nbs/13_checkpoint.ipynb #c009
-def _cpu_tensor(tensors): return torch.cat([t.detach().cpu().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
-
-def recorder_state(recorder, values=None):
-    "The history of `recorder`: batch losses, those of the epoch in progress, hyper-parameters per batch, rows per epoch."
-    return {'losses': _cpu_tensor(recorder._loss_chunks), 'epoch_losses': _cpu_tensor(recorder._epoch_losses),
-            'epoch_sizes': list(recorder._epoch_sizes), 'hps': {k: list(v) for k, v in recorder.hps.items()},
-            'values': [list(r) for r in (recorder.values if values is None else values)]}
-
-def load_recorder_state(recorder, state):
-    "Give `recorder` the history `recorder_state` saved."
-    recorder._loss_chunks = [state['losses']] if len(state['losses']) else []
-    recorder.hps = defaultdict(list, {k: list(v) for k, v in state['hps'].items()})
-    recorder.values = [list(r) for r in state['values']]
-    load_epoch_in_progress(recorder, state)
-
-def load_epoch_in_progress(recorder, state):
-    "Give `recorder` the losses of the epoch in progress that `recorder_state` saved."
-    recorder._epoch_losses, recorder._epoch_sizes = list(state['epoch_losses'].unbind()), list(state['epoch_sizes'])
+__all__ = ['FORMAT', 'epoch_rows', 'checkpoint_state', 'read_checkpoint', 'check_checkpoint_fits', 'restore_checkpoint', 'Resume',
+           'replace_with_link', 'Checkpoint', 'TrackerCallback', 'SaveModel', 'EarlyStopping', 'ReduceLROnPlateau']
 
 # %% ../nbs/13_checkpoint.ipynb #c011
 FORMAT = 'teachloop-checkpoint'
 
 def _stateful_callbacks(learn):
-    return [cb for cb in learn.cbs if callable(getattr(type(cb), 'state_dict', None))]
+    # the Recorder's history is saved apart, with the rows as of the save (see `epoch_rows`)
+    return [cb for cb in learn.cbs if callable(getattr(type(cb), 'state_dict', None)) and cb.name != 'recorder']
 
 def _has_recorder(learn): return any(cb.name == 'recorder' for cb in learn.cbs)
 
@@ -101,7 +81,7 @@ def checkpoint_state(learn,
     rows = epoch_rows(learn) if _has_recorder(learn) else None
     return {'format': FORMAT, 'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(),
             'callbacks': {cb.name: cb.state_dict() for cb in _stateful_callbacks(learn)},
-            'recorder': recorder_state(learn.recorder, rows) if rows is not None else None,
+            'recorder': learn.recorder.state_dict(rows) if rows is not None else None,
             'rng': saveable_rng(next(r for r in (rng, _rng_at_batch_start(learn), rng_states()) if r is not None)),
             'loaders': {name: [g.get_state() for g in loader_generators(getattr(learn.dls, name))]
                         for name in ('train', 'valid') if getattr(learn.dls, name) is not None},
@@ -171,7 +151,7 @@ def restore_checkpoint(learn, state):
     restore_training_state(learn, state['model'], state['opt'])
     for cb in learn.cbs:
         if cb.name in state['callbacks']: cb.load_state_dict(state['callbacks'][cb.name])
-    if state['recorder'] is not None and 'recorder' in names: load_recorder_state(learn.recorder, state['recorder'])
+    if state['recorder'] is not None and 'recorder' in names: learn.recorder.load_state_dict(state['recorder'])
     progress = state['progress']
     loaders = {**state['loaders'], 'train': progress['epoch_start'] or state['loaders']['train']}
     for name, saved in loaders.items():
@@ -206,7 +186,7 @@ class Resume(Callback):
 
     def before_train(self):
         if self._epoch_in_progress is not None:
-            if _has_recorder(self.learn): load_epoch_in_progress(self.recorder, self._epoch_in_progress)
+            if _has_recorder(self.learn): self.recorder.load_epoch_in_progress(self._epoch_in_progress)
             # The epoch's order may be drawn from the global generators (a sampler without its own generator) and
             # the skipped batches may draw from them too (augmentation): both are drawn again from the epoch's start,
             # and the states of the checkpoint's batch boundary are put back before the first batch after it is drawn.

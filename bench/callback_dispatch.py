@@ -11,7 +11,7 @@ import time
 import torch
 from torch import nn
 
-from teachloop.callback_designs import AllEventsCallback, CallEveryCallback, dispatch_cost, one_event_callbacks
+from teachloop.designs.callback_designs import AllEventsCallback, CallEveryCallback, dispatch_cost, one_event_callbacks
 from teachloop.data import regression_dls
 from teachloop.learner import Callback, Learner
 from teachloop.optimizer import SGD

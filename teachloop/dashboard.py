@@ -17,20 +17,20 @@ import weakref
 
 import numpy as np
 import torch
+from fastcore.basics import patch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.collections import LineCollection
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullLocator
 
 from .effective_lr import UpdateRatio, effective_lr_stats
-from .learner import Callback, CancelFitException, callback_list, check_fit_args, check_save_path
+from .core import check_save_path
+from .learner import Callback, CancelFitException, callback_list, check_fit_args
 from .optimizer import check_hyper
 
 # %% auto #0
 __all__ = ['FitControls', 'SteeringCallback', 'FitHandle', 'fit_background', 'DeviceBuffer', 'downsample_minmax', 'BoundedSeries',
-           'RunningSmoother', 'DashboardPlot', 'update', 'png', 'TrainingDashboard', 'before_fit', 'wait_drawn',
-           'frames', 'before_step', 'after_step', 'after_batch', 'after_train', 'after_validate', 'tick', 'snapshot',
-           'status', 'cleanup_fit', 'DashboardWidget', 'LiveDisplay']
+           'RunningSmoother', 'DashboardPlot', 'TrainingDashboard', 'DashboardWidget', 'LiveDisplay']
 
 # %% ../nbs/11_dashboard.ipynb #c004
 class FitControls:
@@ -312,7 +312,8 @@ class DashboardPlot:
         self.ax_ratio.set(title='update / weight per layer', xlabel='training batch')
 
 # %% ../nbs/11_dashboard.ipynb #c039
-def _plot_loss(self, snap):
+@patch
+def _plot_loss(self:DashboardPlot, snap):
     lines = self.lines
     _set_line(lines, self.ax_loss, 'loss', *snap['loss'], color='C0', alpha=0.25, lw=0.7, label='train (batch)')
     _set_line(lines, self.ax_loss, 'smooth', *snap['smooth'], color='C0', lw=1.5, label='train (smoothed)')
@@ -326,14 +327,16 @@ def _plot_loss(self, snap):
                    for x, label in snap['changes'][-8:]]
     _rescale(self.ax_loss)
 
-def _plot_hypers(self, snap):
+@patch
+def _plot_hypers(self:DashboardPlot, snap):
     for (name, group), (x, y) in snap['hypers'].items():
         ax = self.ax_mom if name != 'lr' else self.ax_hyper
         style = dict(color=f'C{group}', ls='-' if name == 'lr' else '--', lw=1.2, label=f'{name} (group {group})')
         _set_line(self.lines, ax, ('hyper', name, group), x, y, **style)
     _rescale(self.ax_hyper); _rescale(self.ax_mom)
 
-def _plot_effective_lr(self, snap):
+@patch
+def _plot_effective_lr(self:DashboardPlot, snap):
     names, quantiles = snap['layers'], snap['effective_lr']
     if quantiles is None or not len(names): return
     positions = np.arange(len(names))
@@ -347,12 +350,14 @@ def _plot_effective_lr(self, snap):
     if positive.size: self.ax_elr.set_ylim(positive.min() / 1.5, positive.max() * 1.5)
     self.ax_elr.set_xlim(-0.5, len(names) - 0.5)
 
-def _plot_ratios(self, snap):
+@patch
+def _plot_ratios(self:DashboardPlot, snap):
     for i, (name, (x, y)) in enumerate(snap['ratios'].items()):
         _set_line(self.lines, self.ax_ratio, ('ratio', name), x, y, color=f'C{i % 10}', lw=1, label=name)
     _rescale(self.ax_ratio)
 
-def _refresh_legends(self):
+@patch
+def _refresh_legends(self:DashboardPlot):
     for ax in (self.ax_loss, self.ax_hyper, self.ax_ratio):
         handles = [h for a in ((ax, self.ax_mom) if ax is self.ax_hyper else (ax,)) for h in a.get_lines() if h.get_label()[0] != '_']
         keys = tuple(h.get_label() for h in handles)
@@ -360,20 +365,20 @@ def _refresh_legends(self):
             ax.legend(handles=handles, fontsize=7, loc='upper right')
             self._legend_keys[ax] = keys
 
-def update(self, snap):
+@patch
+def update(self:DashboardPlot, snap):
     "Show the values of the tick `snap` (a dict of arrays, see `TrainingDashboard.snapshot`)."
     self._plot_loss(snap); self._plot_hypers(snap); self._plot_effective_lr(snap); self._plot_ratios(snap)
     self._refresh_legends()
     return self
 
-def png(self) -> bytes:
+@patch
+def png(self:DashboardPlot) -> bytes:
     "The figure as PNG bytes."
     buffer = io.BytesIO()
     self.figure.savefig(buffer, format='png', pil_kwargs={'compress_level': 1})  # a frame is shown once: encode fast
     return buffer.getvalue()
 
-for f in (_plot_loss, _plot_hypers, _plot_effective_lr, _plot_ratios, _refresh_legends, update, png):
-    setattr(DashboardPlot, f.__name__, f)
 
 # %% ../nbs/11_dashboard.ipynb #c041
 def _ipython_shell():
@@ -418,7 +423,8 @@ class TrainingDashboard(SteeringCallback):
         display(self.widget.box)
 
 # %% ../nbs/11_dashboard.ipynb #c044
-def before_fit(self):
+@patch
+def before_fit(self:TrainingDashboard):
     super(TrainingDashboard, self).before_fit()
     self._losses = DeviceBuffer(self.buffer_size)
     self._valid_sum, self._valid_count, self._valid_pending = None, 0, []
@@ -436,34 +442,38 @@ def before_fit(self):
     self._background = threading.current_thread() is not threading.main_thread()
     if self.live: self._start_display()
 
-def _start_display(self):
+@patch
+def _start_display(self:TrainingDashboard):
     self.show()
     self.widget.start_fit(self.opt, self._held, can_steer=self._background)
     self.wait_drawn()  # the last fit's display may still draw its final frame into the figure
     self._display = LiveDisplay(self.widget, getattr(self._last_display, 'plot', None))
 
-def wait_drawn(self, timeout=10):
+@patch
+def wait_drawn(self:TrainingDashboard, timeout=10):
     "Wait until the last frame of the last fit is drawn (it is drawn after `fit` returns)."
     if self._last_display is not None: self._last_display.join(timeout)
 
-def frames(self):
+@patch(as_prop=True)
+def frames(self:TrainingDashboard):
     "Frames drawn live in the current (or last) fit."
     display = self._display or self._last_display
     return display.frames if display is not None else 0
 
-TrainingDashboard.before_fit, TrainingDashboard._start_display = before_fit, _start_display
-TrainingDashboard.wait_drawn, TrainingDashboard.frames = wait_drawn, property(frames)
 
 # %% ../nbs/11_dashboard.ipynb #c046
-def before_step(self):
+@patch
+def before_step(self:TrainingDashboard):
     if self._measure_next_step: self._update_ratio = UpdateRatio(self.model)
 
-def after_step(self):
+@patch
+def after_step(self:TrainingDashboard):
     if self._update_ratio is None: return
     self._ratio_pending = (self.train_iter, self._update_ratio.ratios(reset=False))
     self._update_ratio, self._measure_next_step = None, False
 
-def after_batch(self):
+@patch
+def after_batch(self:TrainingDashboard):
     learn = self.learn  # read once: each `self.<learner attribute>` goes through a failed look-up first
     if learn.loss is None or learn.loss is self._last_loss: return  # cancelled before its loss
     self._last_loss = learn.loss
@@ -481,16 +491,18 @@ def after_batch(self):
     now = time.perf_counter()
     if now >= self._next_tick or self._losses.full: self.tick(now)
 
-def after_train(self): self.epoch_ends.append(self.train_iter)
+@patch
+def after_train(self:TrainingDashboard): self.epoch_ends.append(self.train_iter)
 
-def after_validate(self):
+@patch
+def after_validate(self:TrainingDashboard):
     if self._valid_count: self._valid_pending.append((self.train_iter, self._valid_sum / self._valid_count))
     self._valid_sum, self._valid_count = None, 0
 
-for f in (before_step, after_step, after_batch, after_train, after_validate): setattr(TrainingDashboard, f.__name__, f)
 
 # %% ../nbs/11_dashboard.ipynb #c048
-def tick(self, now=None):
+@patch
+def tick(self:TrainingDashboard, now=None):
     "Copy the new values from the device; when drawing live, compute the effective lrs and hand a snapshot to the display."
     self._drain()
     self._measure_next_step = True
@@ -501,7 +513,8 @@ def tick(self, now=None):
     self._read_effective_lrs()
     self._display.submit(self.snapshot())
 
-def _drain(self):
+@patch
+def _drain(self:TrainingDashboard):
     losses = self._losses.drain()
     steps = np.arange(self._first_step, self._first_step + len(losses))
     self._first_step += len(losses)
@@ -521,19 +534,20 @@ def _drain(self):
             self.ratio_series.setdefault(name, BoundedSeries(self.max_points)).extend([step], [r])
         self._ratio_pending = None
 
-def _read_effective_lrs(self):
+@patch
+def _read_effective_lrs(self:TrainingDashboard):
     stats = effective_lr_stats(self.opt, self.model)
     if not stats: return
     self.layer_names, self.effective_lr = list(stats), torch.stack(list(stats.values())).cpu().numpy()
 
-TrainingDashboard.tick, TrainingDashboard._drain, TrainingDashboard._read_effective_lrs = tick, _drain, _read_effective_lrs
 
 # %% ../nbs/11_dashboard.ipynb #c050
 def _every_nth(values, most=100):
     "At most `most` of `values`, evenly spaced."
     return values[::max(1, math.ceil(len(values) / most))]
 
-def snapshot(self) -> dict:
+@patch
+def snapshot(self:TrainingDashboard) -> dict:
     "The values the figure shows, as copies that another thread may read."
     copy = lambda s: (s.x.copy(), s.y.copy())
     return {'loss': copy(self.series['loss']), 'smooth': copy(self.series['smooth']), 'valid': copy(self.series['valid']),
@@ -544,7 +558,8 @@ def snapshot(self) -> dict:
             'ratios': {name: copy(s) for name, s in self.ratio_series.items() if len(s)},
             'status': self.last_status}
 
-def status(self) -> str:
+@patch
+def status(self:TrainingDashboard) -> str:
     "One line: epoch and batch, samples per second, device, elapsed and remaining time."
     elapsed = time.perf_counter() - self._start - self.paused_seconds
     total = self.n_epoch * sum(len(dl) for dl in (self.dls.train, self.dls.valid) if dl is not None and hasattr(dl, '__len__'))
@@ -555,10 +570,10 @@ def status(self) -> str:
             f"{self.samples / max(elapsed, 1e-9):,.0f} samples/s · {device} · "
             f"elapsed {_clock(elapsed)} · remaining {_clock(max(remaining, 0))}")
 
-TrainingDashboard.snapshot, TrainingDashboard.status = snapshot, status
 
 # %% ../nbs/11_dashboard.ipynb #c052
-def cleanup_fit(self):
+@patch
+def cleanup_fit(self:TrainingDashboard):
     super(TrainingDashboard, self).cleanup_fit()
     if not hasattr(self, '_losses'): return
     try:
@@ -567,13 +582,15 @@ def cleanup_fit(self):
     except Exception as e: warnings.warn(f"the dashboard could not read the fit's last values: {type(e).__name__}: {e}")
     finally: self._close_display()
 
-def _close_display(self):
+@patch
+def _close_display(self:TrainingDashboard):
     if self._display is None: return self._show_final()
     self._display.close(wait=False)  # the fit need not wait for its last frame
     self._last_display, self._display = self._display, None
     self.widget.end_fit()
 
-def _show_final(self):
+@patch
+def _show_final(self:TrainingDashboard):
     "Draw the final figure once, if someone will see it: under IPython, or in the file `save_path`."
     shell = _ipython_shell()
     if shell is None and self.save_path is None: return
@@ -584,7 +601,6 @@ def _show_final(self):
         from IPython.display import Image, display
         display(Image(self.plot.png()))
 
-TrainingDashboard.cleanup_fit, TrainingDashboard._close_display, TrainingDashboard._show_final = cleanup_fit, _close_display, _show_final
 
 # %% ../nbs/11_dashboard.ipynb #c054
 _SLIDERS = {  # name: (description, log scale, min, max, step)

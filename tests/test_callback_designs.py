@@ -3,7 +3,7 @@ import math
 import torch
 from torch import nn
 
-from teachloop.callback_designs import (SETTINGS, TRAINING_BATCH_EVENTS, AllEventsCallback, CallEveryCallback,
+from teachloop.designs.callback_designs import (SETTINGS, TRAINING_BATCH_EVENTS, AllEventsCallback, CallEveryCallback,
                                         dispatch_cost, fit_gluon_style, fit_teachloop_style, fit_v1_style,
                                         one_event_callbacks)
 from teachloop.data import DataLoaders, digits_dls, regression_2d

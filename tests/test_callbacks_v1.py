@@ -5,8 +5,8 @@ import torch
 from torch import nn
 
 from teachloop.callbacks import accuracy, smooth_values
-from teachloop.callbacks_v1 import (V1_EVENTS, AverageMetric, CallbackHandler, GradientClipping, SmoothenValue,
-                                    Stepper, V1Callback)
+from teachloop.designs.callbacks_v1 import (V1_EVENTS, AverageMetric, CallbackHandler, V1GradientClipping, SmoothenValue,
+                                    V1Stepper, V1Callback)
 from teachloop.data import DataLoaders, regression_2d, tensor_dls
 from teachloop.learner import Learner
 from teachloop.optimizer import SGD
@@ -199,7 +199,7 @@ def test_bad_callbacks_are_refused():
         def on_something(self, **kwargs): pass
     with pytest.raises(ValueError, match='on_epoch_end'): CallbackHandler([Typo()])
     with pytest.raises(ValueError, match='on_something'): CallbackHandler([Named()])
-    with pytest.raises(TypeError, match='instance'): CallbackHandler([GradientClipping])
+    with pytest.raises(TypeError, match='instance'): CallbackHandler([V1GradientClipping])
     with pytest.raises(TypeError, match='V1Callback'): CallbackHandler([object()])
 
 
@@ -224,15 +224,15 @@ def test_smoothen_value_on_numbers_and_tensors():
 
 
 def test_stepper():
-    linear = Stepper((2., 0.), 4)
+    linear = V1Stepper((2., 0.), 4)
     assert [linear.step() for _ in range(4)] == [1.5, 1., 0.5, 0.] and linear.is_done
-    cos = Stepper((1., 0.), 3, annealing_cos)
+    cos = V1Stepper((1., 0.), 3, annealing_cos)
     values = [cos.step() for _ in range(3)]
     assert all(math.isclose(v, (1 + math.cos(math.pi * i / 3)) / 2, abs_tol=1e-12) for v, i in zip(values, (1, 2, 3)))
-    constant = Stepper(0.3, 2)
+    constant = V1Stepper(0.3, 2)
     assert [constant.step(), constant.is_done, constant.step(), constant.is_done] == [0.3, False, 0.3, True]
-    with pytest.raises(ValueError, match='n_iter'): Stepper((1, 0), 0)
-    with pytest.raises(ValueError, match='pair'): Stepper((1, 0, 2), 3)
+    with pytest.raises(ValueError, match='n_iter'): V1Stepper((1, 0), 0)
+    with pytest.raises(ValueError, match='pair'): V1Stepper((1, 0, 2), 3)
 
 
 def test_average_metric_matches_accuracy_over_validation_set():
@@ -252,10 +252,10 @@ def test_average_metric_matches_accuracy_over_validation_set():
 
 def test_gradient_clipping_matches_clip_grad_norm_in_a_hand_written_loop():
     learn = tiny_learner()
-    learn.fit(2, cbs=[CallbackHandler([GradientClipping(0.05)])])
+    learn.fit(2, cbs=[CallbackHandler([V1GradientClipping(0.05)])])
     assert_same_weights(learn.model, hand_written_fit(2, clip=0.05))
     assert not torch.allclose(learn.model.weight, hand_written_fit(2).weight, atol=1e-4)
-    with pytest.raises(ValueError, match='clip'): GradientClipping(-1.)
+    with pytest.raises(ValueError, match='clip'): V1GradientClipping(-1.)
 
 
 def test_a_batch_cancelled_before_its_loss_has_no_on_batch_end():

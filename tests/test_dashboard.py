@@ -393,14 +393,14 @@ def test_background_fit_uses_the_callers_cuda_device_and_no_sync_between_ticks()
     assert syncs[0] == 0 and syncs[1] > 0
 
 
-def test_fit_with_background_true_returns_a_handle_and_trains():
+def test_fit_background_returns_a_handle_and_trains_with_any_fit_method():
     from teachloop.schedule import fit_one_cycle  # noqa: F401  adds Learner.fit_one_cycle
     learn = Learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, lr=3e-3)
     learn.progress.show_bar = learn.progress.print_rows = False
-    handle = learn.fit(1, background=True)
+    handle = fit_background(learn, 1)
     handle.wait()
     assert handle.done and len(learn.recorder.values) == 1
-    handle = learn.fit_one_cycle(1, 1e-2, background=True)
+    handle = fit_background(learn, 1, fit=learn.fit_one_cycle, lr_max=1e-2)
     handle.wait()
     assert learn.recorder.hps['lr'][0] == pytest.approx(1e-2 / 25)
 
@@ -456,7 +456,7 @@ def test_a_background_fit_owns_its_learner_from_the_moment_it_is_started():
     class Hold(Callback):
         def before_fit(self): release.wait(10)
     learn = digits_learner()
-    handle = learn.fit(1, cbs=[Hold()], background=True)
+    handle = fit_background(learn, 1, cbs=[Hold()])
     try:
         with pytest.raises(RuntimeError, match='another thread'): learn.validate()  # refused even before its first batch
     finally: release.set()

@@ -2,10 +2,10 @@ import pytest
 import torch
 from torch import nn
 
-from teachloop.callbacks_v1 import CallbackHandler, V1Callback
+from teachloop.designs.callbacks_v1 import CallbackHandler, V1Callback
 from teachloop.data import DataLoaders, regression_2d
-from teachloop.event_filters import EventFilter, FuncCallback, every, filtered, once, reset_event_counts, when
-from teachloop.gluon_handlers import BatchEnd, Estimator
+from teachloop.designs.event_filters import EventFilter, FuncCallback, every, filtered, once, reset_event_counts, when
+from teachloop.designs.gluon_handlers import BatchEnd, Estimator
 from teachloop.learner import Callback, Learner
 from teachloop.optimizer import SGD
 

@@ -7,7 +7,7 @@ from torch import nn
 
 from teachloop.callbacks import accuracy
 from teachloop.data import DataLoaders, tensor_dls
-from teachloop.gluon_handlers import (GLUON_EVENTS, BatchEnd, CheckpointHandler, EarlyStoppingHandler, EpochBegin,
+from teachloop.designs.gluon_handlers import (GLUON_EVENTS, BatchEnd, CheckpointHandler, EarlyStoppingHandler, EpochBegin,
                                       EpochEnd, Estimator, GradientClippingHandler, LoggingHandler, Loss, Metric,
                                       MetricHandler, StoppingHandler, TrainBegin, ValidationHandler, handlers_by_event)
 from teachloop.learner import Learner

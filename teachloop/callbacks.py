@@ -17,7 +17,7 @@ import torch
 from .core import default_device, to_device
 from fastcore.basics import patch
 
-from .learner import DEFAULT_CALLBACKS, Callback
+from .learner import Callback, add_default_callbacks
 from .optimizer import Optimizer
 
 # %% auto #0
@@ -265,7 +265,7 @@ class ProgressCallback(Callback):
         self.bar = None
 
 # %% ../nbs/03_callbacks.ipynb #d018b
-DEFAULT_CALLBACKS.extend([DeviceCallback, Recorder, ProgressCallback])
+add_default_callbacks(DeviceCallback, Recorder, ProgressCallback)
 
 # %% ../nbs/03_callbacks.ipynb #c026
 from .learner import CancelStepException

@@ -26,9 +26,9 @@ from .optimizer import Adam, Optimizer, check_hyper
 # %% auto #0
 __all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'CancelBatchException', 'CancelBackwardException',
            'CancelStepException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
-           'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'TrainEvalCallback', 'default_splitter',
-           'Learner', 'InterruptGate', 'callback_list', 'check_fit_args', 'GatherPreds', 'check_state_matches',
-           'optimizer_with_state', 'restore_training_state', 'EventLog']
+           'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'TrainEvalCallback',
+           'add_default_callbacks', 'default_splitter', 'Learner', 'InterruptGate', 'callback_list', 'check_fit_args',
+           'GatherPreds', 'check_state_matches', 'optimizer_with_state', 'restore_training_state', 'EventLog']
 
 # %% ../nbs/02_learner.ipynb #c004
 class CancelBatchException(Exception):
@@ -137,8 +137,13 @@ class TrainEvalCallback(Callback):
         learn.pct_train = learn.train_iter / max(learn.n_iter * learn.n_epoch, 1)
 
 # What every new learner gets unless `default_cbs=False`: one callable per callback (a class, usually).
-# Later notebooks append theirs (the callbacks notebook adds the device, recorder and progress callbacks).
+# Later notebooks add theirs (the callbacks notebook adds the device, recorder and progress callbacks).
 DEFAULT_CALLBACKS = [TrainEvalCallback]
+
+def add_default_callbacks(*makes):
+    "Give every learner made from now on a callback from each of `makes`; one of the same name is replaced, not doubled."
+    for make in makes:  # by name: running a notebook's cell again defines the class again
+        DEFAULT_CALLBACKS[:] = [m for m in DEFAULT_CALLBACKS if m.__name__ != make.__name__] + [make]
 
 
 # %% ../nbs/02_learner.ipynb #c015

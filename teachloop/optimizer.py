@@ -52,7 +52,7 @@ def declare_callback(callback, **facts):
     unknown = set(facts) - set(vars(CallbackFacts()))
     if unknown: raise TypeError(f"unknown facts {sorted(unknown)}; an optimizer callback has {sorted(vars(CallbackFacts()))}")
     for name, rule in facts.get('hypers', {}).items():
-        if _hyper_rules.get(name, rule) is not rule:
+        if _hyper_rules.get(name, rule)[1] != rule[1]:  # compared by meaning: a notebook run again makes new rules
             raise ValueError(f"{callback.__name__} declares a rule for {name!r} other than the one already declared")
     entry = OPTIMIZER_CALLBACKS.setdefault(callback_function(callback), CallbackFacts())
     for name, value in facts.items(): setattr(entry, name, value)

@@ -50,7 +50,7 @@ def test_built_wheel_gives_a_working_library(tmp_path):
     subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '--no-deps', '--target', tmp_path / 'site', wheel],
                    check=True)
     code = ("import teachloop, torch; from torch.nn import functional as F;"
-            "from teachloop.data import digits_dls, digits_cnn; from teachloop.learner import Learner;"
+            "from teachloop.all import Learner, digits_dls, digits_cnn;"
             "assert teachloop.__file__.startswith(%r), teachloop.__file__;"
             "learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, lr=3e-3); learn.fit(1);"
             "print(learn.recorder.values[-1][2])") % str(tmp_path / 'site')

@@ -11,6 +11,7 @@ import time
 import torch
 from torch import nn
 
+import teachloop.all  # noqa: F401  (every module: the default callbacks, the fast optimizer steps)
 from teachloop.designs.callback_designs import AllEventsCallback, CallEveryCallback, dispatch_cost, one_event_callbacks
 from teachloop.data import regression_dls
 from teachloop.learner import Callback, Learner

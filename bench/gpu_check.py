@@ -35,6 +35,7 @@ from torch.nn import functional as F
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+import teachloop.all  # noqa: E402,F401  (every module: the default callbacks, the fast optimizer steps)
 from teachloop.callbacks import MixedPrecision, accuracy  # noqa: E402
 from teachloop.data import digits_cnn, digits_dls  # noqa: E402
 from teachloop.learner import Callback, Learner  # noqa: E402

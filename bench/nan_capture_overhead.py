@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+import teachloop.all  # noqa: F401  (every module: the default callbacks, the fast optimizer steps)
 from teachloop.data import digits_cnn, digits_dls
 from teachloop.learner import Callback, Learner
 from teachloop.nan_capture import NaNCapture

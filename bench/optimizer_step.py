@@ -11,8 +11,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from teachloop.optimizer import SGD, Adam, RMSProp
-from teachloop.optimizers import Lamb
+from teachloop.all import SGD, Adam, RMSProp  # teachloop.all switches the fast path on (teachloop.fast)
+from teachloop.all import Lamb
 
 
 def mlp(n_layers=20, width=256):

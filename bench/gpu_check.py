@@ -99,15 +99,21 @@ def check_mixed_precision(dtype):
     return run
 
 
+def unguarded(method):
+    "Run `method` with the sync check off, then put the check back as it was (a tick or a capture may wait)."
+    def run(*args, **kwargs):
+        guarded = DEVICE.type == 'cuda' and torch.cuda.get_sync_debug_mode() != 0
+        set_sync_check('default')
+        try: return method(*args, **kwargs)
+        finally:
+            if guarded: set_sync_check('error')
+    return run
+
+
 def check_dashboard_background():
     from teachloop.dashboard import TrainingDashboard, fit_background
     class TickUnguarded(TrainingDashboard):
-        def tick(self, *args, **kwargs):
-            guarded = DEVICE.type == 'cuda' and torch.cuda.get_sync_debug_mode() != 0
-            set_sync_check('default')
-            try: return super().tick(*args, **kwargs)
-            finally:
-                if guarded: set_sync_check('error')
+        tick = unguarded(TrainingDashboard.tick)
     learn = digits_learner(cbs=[Quiet()])
     dashboard = TickUnguarded(refresh=0.25)
     # the sync debug mode is per process: the background thread's batches run guarded by SyncGuard
@@ -117,17 +123,20 @@ def check_dashboard_background():
 
 
 class NaNGradientAt(Callback):
-    "Make one gradient NaN at training step `at` (written on the device: no host read)."
+    "Make one gradient NaN at training step `at`, written by a kernel (`grad[0] = nan` copies from the host: a sync)."
     def __init__(self, at): self.at = at
     def after_backward(self):
-        if self.train_iter == self.at: next(self.learn.model.parameters()).grad.view(-1)[0] = math.nan
+        if self.train_iter == self.at: next(self.learn.model.parameters()).grad.view(-1)[:1].fill_(math.nan)
 
 
 def check_nan_capture_sync_free():
     from teachloop.nan_capture import NaNCapture, load_capture
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / 'nan.pt'
-        capture = NaNCapture(path, check_every=4, sync_free=True)  # CUDA's default for check_every > 1
+        # steps whose check finds nothing never wait; the capture itself reads the gradients and writes a file
+        class CaptureUnguarded(NaNCapture):
+            _capture_pending = unguarded(NaNCapture._capture_pending)
+        capture = CaptureUnguarded(path, check_every=4, sync_free=True)  # CUDA's default for check_every > 1
         learn = digits_learner(bn_model(), cbs=[SyncGuard(), Quiet(), capture, NaNGradientAt(8)])
         learn.fit(1)
         saved = load_capture(path)
@@ -163,12 +172,14 @@ def run_checks(checks):
 def run_command(title, args, timeout):
     start = time.perf_counter()
     try:
+        # the repository first, and whatever the caller's path already held (packages carried to a bare machine)
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get('PYTHONPATH')]))
         done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, 'PYTHONPATH': str(ROOT)})
+                              env={**os.environ, 'PYTHONPATH': path})
         out, rc = (done.stdout + done.stderr).strip(), done.returncode
     except subprocess.TimeoutExpired as e:
         out, rc = f"timed out after {timeout} s\n{(e.stdout or b'').decode()[-2000:]}", 124
-    tail = '\n'.join('    ' + line for line in out.splitlines()[-25:])
+    tail = '\n'.join('    ' + line for line in out.splitlines()[-80:])
     return f"{'PASS' if rc == 0 else 'FAIL'}  {title} (exit {rc}, {time.perf_counter() - start:.0f} s)\n{tail}", rc != 0
 
 

@@ -222,7 +222,10 @@ class NaNCapture(Callback):
         pending = self._pending
         finite = pending.finite()
         self._pending = None
-        if finite: return
+        if not finite: self._capture_pending(pending)
+
+    def _capture_pending(self, pending):
+        "Go back to before the checked step that was bad, save it and stop (the one place a sync-free check waits)."
         self.model.load_state_dict(pending.record['model'])
         self.opt.load_state_dict(pending.record['opt'])
         self._save(pending.record, pending.nonfinite(), note=f" (seen at step {self.train_iter}; the learner is back "

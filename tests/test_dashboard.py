@@ -368,6 +368,11 @@ def test_dashboard_rejects_bad_settings():
     with pytest.raises(ValueError, match='max_points'): BoundedSeries(max_points=2)
 
 
+# what torch's sync debug mode 'warn' says of each sync (its notice that the mode is a prototype says
+# "synchronizing operations" too, and is no sync)
+SYNC_WARNING = 'called a synchronizing CUDA operation'
+
+
 @pytest.mark.cuda
 def test_background_fit_uses_the_callers_cuda_device_and_no_sync_between_ticks():
     import warnings
@@ -382,7 +387,7 @@ def test_background_fit_uses_the_callers_cuda_device_and_no_sync_between_ticks()
     syncs = []
     class Probe(Callback):
         order = 100
-        def after_fit(self): syncs.append(len([w for w in caught if 'synchroniz' in str(w.message)]))
+        def after_fit(self): syncs.append(len([w for w in caught if SYNC_WARNING in str(w.message)]))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter('always')
         torch.cuda.set_sync_debug_mode('warn')

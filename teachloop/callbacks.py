@@ -62,11 +62,17 @@ def smooth_values(values, beta=0.98):
     return out
 
 # %% ../nbs/03_callbacks.ipynb #c013
+def _stack(values):
+    "The 0-d tensors `values` as one tensor, on the device of the last (a fit resumed mid-epoch gets its first ones from the file, on the CPU)."
+    device = values[-1].device
+    return torch.stack([v.to(device) for v in values])
+
 def _weighted_mean(values, weights):
-    "Mean of the tensors `values` weighted by `weights`, as a tensor on their device (nan when empty)."
+    "Mean of the tensors `values` weighted by `weights`, as a tensor on the device of the last (nan when empty)."
     if not values: return torch.tensor(float('nan'))
-    w = torch.tensor(weights, dtype=torch.float32, device=values[0].device)
-    return (torch.stack([v.float() for v in values]) * w).sum() / w.sum()
+    stacked = _stack(values).float()
+    w = torch.tensor(weights, dtype=torch.float32, device=stacked.device)
+    return (stacked * w).sum() / w.sum()
 
 def _metric_name(metric):
     return getattr(metric, '__name__', None) or getattr(getattr(metric, 'func', None), '__name__', type(metric).__name__)
@@ -140,7 +146,7 @@ class Recorder(Callback):
             self._valid_metrics.append([m(learn.pred, learn.y) for m in learn.metrics])
 
     def after_train(self):
-        if self._epoch_losses: self._loss_chunks.append(torch.stack(self._epoch_losses))
+        if self._epoch_losses: self._loss_chunks.append(_stack(self._epoch_losses))
         self._train_loss = _weighted_mean(self._epoch_losses, self._epoch_sizes)
         self._epoch_losses, self._epoch_sizes = [], []
 
@@ -148,7 +154,7 @@ class Recorder(Callback):
         per_metric = list(zip(*self._valid_metrics)) or [[] for _ in self.learn.metrics]
         values = [_weighted_mean(self._valid_losses, self._valid_sizes)]
         values += [_weighted_mean(list(m), self._valid_sizes) for m in per_metric]
-        self.last_valid = self._valid_row = torch.stack([v.to(values[0].device) for v in values]).tolist()
+        self.last_valid = self._valid_row = _stack(values).tolist()
         self._valid_losses, self._valid_sizes, self._valid_metrics = [], [], []
 
     def after_epoch(self):
@@ -168,7 +174,7 @@ class Recorder(Callback):
     @property
     def losses(self):
         "Training loss of every batch so far, as floats."
-        chunks = self._loss_chunks + ([torch.stack(self._epoch_losses)] if self._epoch_losses else [])
+        chunks = self._loss_chunks + ([_stack(self._epoch_losses)] if self._epoch_losses else [])
         return torch.cat([c.float().cpu() for c in chunks]).tolist() if chunks else []
 
     @property

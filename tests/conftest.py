@@ -15,3 +15,18 @@ def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if 'cuda' in item.keywords and not torch.cuda.is_available(): item.add_marker(skip_cuda)
+
+
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_cuda(request, monkeypatch):
+    """Tests without the `cuda` marker run on the CPU, on a GPU machine too.
+
+    They compare bit for bit with a CPU reference or with a second fit (exact resume, replay, parity in float64);
+    a GPU's kernels give other roundings and are not deterministic (atomic adds in convolution backward), so they
+    could not. What runs on the GPU is tested by the `cuda` tests and `make gpu-check`. `CUDA_VISIBLE_DEVICES` hides
+    the GPU from subprocesses; this process may have started CUDA already, so `is_available` answers False too.
+    """
+    if 'cuda' in request.keywords: return
+    monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '')
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
+

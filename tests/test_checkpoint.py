@@ -466,3 +466,22 @@ def test_a_save_from_inside_a_batch_keeps_the_random_states_of_its_start(tmp_pat
     resumed = augmented_learner_with(LOADERS['own_generator'])
     resumed.fit(2, resume=tmp_path / 'in.pt')
     assert weights_equal(straight, resumed) and history(straight) == history(resumed)
+
+
+@pytest.mark.cuda
+def test_a_fit_resumed_mid_epoch_on_the_gpu_continues_its_history(tmp_path):
+    "The epoch's first losses come back from the file on the CPU; the resumed batches' losses are on the GPU."
+    def learner():
+        learn = make_learner()
+        learn.device.device = torch.device('cuda')
+        return learn
+    straight = learner()
+    straight.fit(2)
+    stopped = learner()
+    with pytest.raises(KeyboardInterrupt): stopped.fit(2, cbs=[Checkpoint(tmp_path), CtrlCAt(1, 7)])
+    before = stopped.recorder.losses
+    resumed = learner()
+    resumed.fit(2, resume=tmp_path / 'interrupted.pt')
+    losses = resumed.recorder.losses
+    assert len(losses) == len(straight.recorder.losses) and losses[:len(before)] == before
+    assert len(resumed.recorder.values) == 2 and all(math.isfinite(v) for v in resumed.recorder.values[1][1:3])

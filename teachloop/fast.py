@@ -12,8 +12,8 @@ from functools import partial
 
 import torch
 
-from .optimizer import (FAST_STEP_PLANNERS, adam_step, average_grad, average_sqr_grad, callback_facts, debias,
-                                 declare_callback, l2_reg, momentum_step, rms_prop_step, sgd_step, step_stat,
+from .optimizer import (add_fast_step_planner, adam_step, average_grad, average_sqr_grad, callback_facts,
+                                 debias, declare_callback, l2_reg, momentum_step, rms_prop_step, sgd_step, step_stat,
                                  weight_decay)
 from .optimizers import (keep_slow_weights, lamb_step, lars_scale_grad, lion_step, lookahead_step,
                                   nesterov_step, qhadam_step, radam_step, rectification, trust_ratio)
@@ -349,4 +349,4 @@ def plan_fast_step(cbs):
     return FastStep(steps, names, callback_switches(cbs), sorted(fused_state))
 
 # %% ../nbs/08_fast_optimizers.ipynb #p016b
-FAST_STEP_PLANNERS.append(plan_fast_step)
+add_fast_step_planner(plan_fast_step)

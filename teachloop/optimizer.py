@@ -15,9 +15,9 @@ import torch
 # %% auto #0
 __all__ = ['AT_LEAST_0', 'ABOVE_0', 'IN_0_1', 'MISSING', 'OPTIMIZER_CALLBACKS', 'FAST_STEP_PLANNERS', 'PER_PARAMETER_SETTINGS',
            'CallbackFacts', 'callback_function', 'declare_callback', 'callback_facts', 'check_hyper', 'spread_hyper',
-           'check_state_dict_fits', 'find_fast_step', 'torch_momentum_name', 'HyperGroup', 'Optimizer', 'sgd_step',
-           'weight_decay', 'l2_reg', 'average_grad', 'momentum_step', 'average_sqr_grad', 'rms_prop_step', 'step_stat',
-           'debias', 'adam_step', 'SGD', 'RMSProp', 'Adam', 'run_steps']
+           'check_state_dict_fits', 'add_fast_step_planner', 'find_fast_step', 'torch_momentum_name', 'HyperGroup',
+           'Optimizer', 'sgd_step', 'weight_decay', 'l2_reg', 'average_grad', 'momentum_step', 'average_sqr_grad',
+           'rms_prop_step', 'step_stat', 'debias', 'adam_step', 'SGD', 'RMSProp', 'Adam', 'run_steps']
 
 # %% ../nbs/01_optimizer.ipynb #c004
 AT_LEAST_0 = (lambda v: v >= 0, "must be >= 0")
@@ -167,6 +167,10 @@ def _check_group_fits(i, saved, group, defaults, saved_state):
 
 # %% ../nbs/01_optimizer.ipynb #c015
 FAST_STEP_PLANNERS = []  # functions `plan(cbs) -> step or None`; notebook 08 adds its own
+
+def add_fast_step_planner(plan):
+    "Let every optimizer ask `plan(cbs)` for a multi-tensor step; one of the same name is replaced, not doubled."
+    FAST_STEP_PLANNERS[:] = [p for p in FAST_STEP_PLANNERS if p.__name__ != plan.__name__] + [plan]
 
 def find_fast_step(cbs):
     "A multi-tensor step doing what the callbacks `cbs` do, from the first planner that has one, or `None`."

@@ -7,6 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from teachloop import fast
+from teachloop.optimizer import FAST_STEP_PLANNERS, Adam, add_fast_step_planner
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -41,6 +45,31 @@ def test_core_modules_import_without_jupyter_packages():
             "bad = [m for m in ('ipywidgets', 'IPython', 'ipykernel', 'jupyter_client', 'nbdev') if m in sys.modules];"
             "assert not bad, bad")
     subprocess.run([sys.executable, '-c', code], check=True, cwd=ROOT)
+
+
+def test_an_optimizer_imported_from_its_own_module_takes_the_fast_step():
+    "`from teachloop.optimizer import Adam` and nothing else: the package's import of teachloop.fast added its planner."
+    code = ("import torch; from teachloop.optimizer import Adam, FAST_STEP_PLANNERS;"
+            "model = torch.nn.Linear(3, 2); opt = Adam(model.parameters(), lr=1e-3);"
+            "model(torch.randn(4, 3)).sum().backward();"
+            "print(opt.fast_step_for(list(model.parameters())), [p.__module__ for p in FAST_STEP_PLANNERS])")
+    out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "FastStep([fused_adam_step]) ['teachloop.fast']"
+
+
+def test_a_planner_added_again_replaces_the_one_of_its_name():
+    "A notebook run again (or a student's own `plan_fast_step`) takes the place of the library's, never beside it."
+    before = list(FAST_STEP_PLANNERS)
+    def plan_fast_step(cbs): return None  # a planner that never has a step: the optimizers run their callbacks
+    try:
+        add_fast_step_planner(plan_fast_step)
+        assert FAST_STEP_PLANNERS == [plan_fast_step]
+        model = torch.nn.Linear(3, 2)
+        opt = Adam(model.parameters(), lr=1e-3)
+        model(torch.randn(4, 3)).sum().backward()
+        assert opt.fast_step_for(list(model.parameters())) is None
+    finally: FAST_STEP_PLANNERS[:] = before
+    assert FAST_STEP_PLANNERS == [fast.plan_fast_step]
 
 
 @pytest.mark.slow

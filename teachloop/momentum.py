@@ -24,10 +24,10 @@ from .optimizers import Nesterov
 
 # %% auto #0
 __all__ = ['SURFACES', 'check_beta', 'ewma', 'plot_ewma', 'debiased_ewma', 'effective_window', 'ewma_weights', 'float_slider',
-           'FigureWidget', 'EWMAWidget', 'Surface', 'quadratic_surface', 'rosenbrock_surface', 'saddle_surface',
-           'optimizer_set', 'trajectory', 'plot_surface', 'plot_paths', 'heavy_ball_roots', 'heavy_ball_rate',
-           'convergence_rate', 'critical_beta', 'stable_lr', 'optimal_momentum', 'lr_range', 'rate_map',
-           'plot_rate_map', 'TrajectoryWidget', 'record_gradient', 'GradientStreamWidget']
+           'figure_png', 'FigureWidget', 'EWMAWidget', 'Surface', 'quadratic_surface', 'rosenbrock_surface',
+           'saddle_surface', 'optimizer_set', 'trajectory', 'plot_surface', 'plot_paths', 'heavy_ball_roots',
+           'heavy_ball_rate', 'convergence_rate', 'critical_beta', 'stable_lr', 'optimal_momentum', 'lr_range',
+           'rate_map', 'plot_rate_map', 'TrajectoryWidget', 'record_gradient', 'GradientStreamWidget']
 
 # %% ../nbs/05_momentum.ipynb #c005
 def check_beta(beta, name='beta'):
@@ -99,6 +99,14 @@ def float_slider(description, value, min, max, step=None, log=False):
     return widgets.FloatSlider(value=value, min=min, max=max, step=step or (max - min) / 200,
                                description=description, readout_format='.3f', style=style, layout=layout)
 
+# %% ../nbs/05_momentum.ipynb #c024png2
+def figure_png(fig) -> bytes:
+    "The figure as last drawn on its Agg canvas, as PNG bytes (fast compression: the image is sent, not stored)."
+    from PIL import Image
+    buffer = io.BytesIO()
+    Image.fromarray(np.asarray(fig.canvas.buffer_rgba())).convert('RGB').save(buffer, format='png', compress_level=1)
+    return buffer.getvalue()
+
 # %% ../nbs/05_momentum.ipynb #c025
 class FigureWidget:
     "A matplotlib figure that `update` redraws from the values of ipywidgets controls, shown as a PNG image."
@@ -169,11 +177,8 @@ class FigureWidget:
 
     def png(self):
         "The figure as PNG bytes (fast compression: the image is sent, not stored)."
-        from PIL import Image
         self.draw()
-        buffer = io.BytesIO()
-        Image.fromarray(np.asarray(self.fig.canvas.buffer_rgba())).convert('RGB').save(buffer, format='png', compress_level=1)
-        return buffer.getvalue()
+        return figure_png(self.fig)
 
     def _repr_mimebundle_(self, **kwargs):
         bundle = self.box._repr_mimebundle_(**kwargs)

@@ -1,4 +1,4 @@
-"Tests of the dashboard notebook: controls, device buffers, downsampling, steering from other threads, background fits."
+"Tests of the dashboard and its parts: controls, device buffers, downsampling, steering from threads, background fits."
 import math
 import os
 import subprocess
@@ -13,22 +13,18 @@ from torch import nn
 from torch.nn import functional as F
 
 from teachloop import dashboard as dash
+from teachloop import dashboard_buffers, dashboard_controls, dashboard_plot, dashboard_widget
 from teachloop.callbacks import DeviceCallback, smooth_values
-from teachloop.dashboard import (BoundedSeries, DeviceBuffer, FitControls, RunningSmoother, SteeringCallback,
-                                 TrainingDashboard, downsample_minmax, fit_background)
+from teachloop.dashboard import TrainingDashboard
+from teachloop.dashboard_buffers import BoundedSeries, DeviceBuffer, RunningSmoother, downsample_minmax
+from teachloop.dashboard_controls import FitControls, SteeringCallback, fit_background
 from teachloop.effective_lr import effective_lr_stats
 from teachloop.data import DataLoaders, digits_cnn, digits_dls, regression_2d
 from teachloop.learner import Callback, CancelFitException, EventLog, Learner
 from teachloop.optimizer import SGD, Adam
+from teachloop.testing import digits_learner
 
 DLS = digits_dls(bs=64)  # for the number of batches; each learner gets fresh loaders (they own a shuffling generator)
-
-
-def digits_learner(seed=0, **kwargs):
-    torch.manual_seed(seed)
-    learn = Learner(digits_dls(bs=64), digits_cnn(), nn.functional.cross_entropy, lr=3e-3, **kwargs)
-    if hasattr(learn, 'progress'): learn.progress.show_bar = learn.progress.print_rows = False
-    return learn
 
 
 def wait_until(condition, timeout=60):
@@ -149,7 +145,7 @@ def stop_at(train_iter):
 
 def test_a_blocking_fit_stopped_from_another_thread_ends_cleanly():
     steering, log = SteeringCallback(), EventLog()
-    learn = digits_learner(cbs=[steering, log])
+    learn = digits_learner(steering, log)
     stopper = threading.Thread(target=lambda: (wait_until(lambda: learn.train_iter >= 7), steering.controls.stop()))
     stopper.start()
     learn.fit(50)
@@ -159,7 +155,7 @@ def test_a_blocking_fit_stopped_from_another_thread_ends_cleanly():
     assert log.events[-3:] == ['after_cancel_fit', 'after_fit', 'cleanup_fit']
     assert len(learn.recorder.losses) == stopped_at and not steering.controls.stop_requested
     # the weights are those of a fit cancelled at the same batch from inside
-    same = digits_learner(cbs=[stop_at(stopped_at)])
+    same = digits_learner(stop_at(stopped_at))
     same.fit(50)
     for a, b in zip(learn.model.parameters(), same.model.parameters()): assert torch.equal(a, b)
 
@@ -173,7 +169,7 @@ def test_requested_hyper_is_applied_from_the_next_batch_and_held_against_a_sched
     class Request(Callback):
         def after_batch(self):
             if self.training and self.train_iter == 5: steering.controls.set_hyper('lr', 7e-4)
-    learn = digits_learner(cbs=[steering, Schedule(), Request()])
+    learn = digits_learner(steering, Schedule(), Request())
     learn.fit(1)
     lrs = learn.recorder.lrs
     assert lrs[:5] == [1e-3 * (1 + i) for i in range(5)] and set(lrs[5:]) == {7e-4}
@@ -186,7 +182,7 @@ def test_a_moved_slider_wins_over_one_cycle_in_the_background():
     class Request(Callback):
         def after_batch(self):
             if self.training and self.train_iter == 8: dashboard.controls.set_hyper('lr', 2e-4)
-    learn = digits_learner(cbs=[dashboard, Request()])
+    learn = digits_learner(dashboard, Request())
     fit_background(learn, 1, fit=learn.fit_one_cycle, lr_max=1e-2).wait(timeout=60)
     lrs = learn.recorder.lrs
     assert len(set(lrs[:8])) == 8 and set(lrs[8:]) == {2e-4}  # the schedule, then the held value
@@ -195,7 +191,7 @@ def test_a_moved_slider_wins_over_one_cycle_in_the_background():
 
 def test_pause_holds_the_fit_until_resume():
     steering = SteeringCallback()
-    learn = digits_learner(default_cbs=False, cbs=[steering])
+    learn = digits_learner(steering, default_cbs=False)
     steering.controls.pause()
     handle = fit_background(learn, 1)
     time.sleep(0.3)
@@ -214,7 +210,7 @@ class GradModeProbe(Callback):
 
 def test_background_fit_gives_the_same_weights_as_a_blocking_one():
     probe = GradModeProbe()
-    learn = digits_learner(cbs=[probe])
+    learn = digits_learner(probe)
     handle = fit_background(learn, 2)
     assert handle.wait(timeout=120) is learn and handle.done and handle.error is None
     assert probe.grad_enabled and probe.thread is not threading.main_thread()
@@ -242,7 +238,8 @@ def test_background_fit_checks_arguments_and_refuses_a_second_fit():
         with pytest.raises(RuntimeError, match='still training'):
             fit_background(learn, 1)
     finally: handle.stop().wait(timeout=60)
-    assert learn.train_iter < 30 * len(DLS.train) and learn not in dash._running_fits  # nothing kept once done
+    assert learn.train_iter < 30 * len(DLS.train)
+    assert learn not in dashboard_controls._running_fits  # nothing kept once done
     with pytest.raises(ValueError, match='steering callbacks'):
         fit_background(learn, 1, cbs=[SteeringCallback(), TrainingDashboard()])
 
@@ -288,21 +285,22 @@ def test_dashboard_memory_is_bounded_over_many_batches():
 
 
 SYNC_METHODS = ('item', 'cpu', 'tolist', 'numpy', '__float__', '__bool__', '__int__')
+DASHBOARD_PARTS = (dash, dashboard_controls, dashboard_buffers, dashboard_plot, dashboard_widget)
 
 
 def test_no_host_reads_from_the_dashboard_between_ticks(monkeypatch):
-    reads = []
+    reads, files = [], {part.__file__ for part in DASHBOARD_PARTS}
     for name in SYNC_METHODS:
         original = getattr(torch.Tensor, name)
         def counted(self, *args, _original=original, _name=name, **kwargs):
-            if sys._getframe(1).f_code.co_filename == dash.__file__: reads.append(_name)
+            if sys._getframe(1).f_code.co_filename in files: reads.append(_name)
             return _original(self, *args, **kwargs)
         monkeypatch.setattr(torch.Tensor, name, counted)
     reads_at_fit_end = []
     class Probe(Callback):
         order = 100
         def after_fit(self): reads_at_fit_end.append(len(reads))
-    learn = digits_learner(default_cbs=False, cbs=[DeviceCallback('cpu')])
+    learn = digits_learner(DeviceCallback('cpu'), default_cbs=False)
     learn.fit(2, cbs=[TrainingDashboard(refresh=1e9), Probe()])
     assert reads_at_fit_end == [0] and reads  # none during the fit, the final tick reads
     reads.clear(); reads_at_fit_end.clear()
@@ -363,6 +361,12 @@ def test_a_script_ending_during_a_background_fit_exits_cleanly():
     assert 'leaving during the fit' in done.stdout and 'terminate' not in done.stderr
 
 
+def test_the_parts_can_be_imported_from_teachloop_dashboard_too():
+    for part in DASHBOARD_PARTS[1:]:
+        for name in part.__all__: assert getattr(dash, name) is getattr(part, name), name
+    assert dash.__all__ == ['TrainingDashboard']  # each name is exported by the module that defines it
+
+
 def test_dashboard_rejects_bad_settings():
     with pytest.raises(ValueError, match='refresh'): TrainingDashboard(refresh=-1)
     with pytest.raises(ValueError, match='max_points'): BoundedSeries(max_points=2)
@@ -381,7 +385,7 @@ def test_background_fit_uses_the_callers_cuda_device_and_no_sync_between_ticks()
     class DeviceProbe(Callback):
         def before_batch(self): self.device = torch.cuda.current_device()
     device_probe = DeviceProbe()
-    learn = digits_learner(default_cbs=False, cbs=[DeviceCallback('cuda')])
+    learn = digits_learner(DeviceCallback('cuda'), default_cbs=False)
     fit_background(learn, 1, cbs=[probe, device_probe]).wait(timeout=120)
     assert device_probe.device == 0 and probe.grad_enabled
     syncs = []
@@ -419,7 +423,7 @@ def test_batches_cancelled_before_their_loss_are_skipped():
     train_losses, valid_losses = [], []
     class Keep(Callback):
         def after_loss(self): (train_losses if self.training else valid_losses).append((self.loss, len(self.yb[0])))
-    learn = digits_learner(default_cbs=False, cbs=[DeviceCallback('cpu')])
+    learn = digits_learner(DeviceCallback('cpu'), default_cbs=False)
     learn.fit(1)  # so that `learn.loss` holds the last fit's loss when the next fit's first batch is cancelled
     valid_losses.clear()
     dashboard = TrainingDashboard(refresh=1e9)
@@ -440,7 +444,7 @@ def test_a_slider_request_belongs_to_the_fit_it_was_made_in():
         order = 60
         def before_batch(self):
             if self.training and self.train_iter == 5: steering.controls.set_hyper('lr', 0.123)
-    learn = digits_learner(cbs=[steering])
+    learn = digits_learner(steering)
     learn.fit_one_cycle(1, 1e-2, cbs=[MoveSliderAt()])
     lrs = learn.recorder.hps['lr']
     assert lrs[4] != 0.123 and set(lrs[5:]) == {0.123}  # within its fit the slider wins over the schedule

@@ -20,7 +20,8 @@ LAYERS = [
     {'optimizer', 'optimizers', 'fast', 'interop'},
     {'learner'},  # the callback core and the training loop
     {'callbacks', 'schedule', 'effective_lr', 'nan_capture', 'checkpoint', 'faults', 'testing', 'demo'},
-    {'momentum', 'dashboard'},  # widgets
+    {'momentum', 'dashboard_controls', 'dashboard_buffers', 'dashboard_plot', 'dashboard_widget',
+     'dashboard'},  # widgets
     {'all'},
     {'designs'},  # the historical designs, in their own subpackage
 ]

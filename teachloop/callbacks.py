@@ -21,8 +21,8 @@ from .learner import Callback, add_default_callbacks
 from .optimizer import Optimizer
 
 # %% auto #0
-__all__ = ['state_to_params_devices', 'DeviceCallback', 'accuracy', 'smooth_values', 'hypers_read', 'Recorder', 'format_row',
-           'ProgressCallback', 'StepUndo', 'MixedPrecision']
+__all__ = ['state_to_params_devices', 'DeviceCallback', 'accuracy', 'smooth_values', 'hypers_read', 'Recorder',
+           'smoothing_window', 'format_row', 'ProgressCallback', 'StepUndo', 'MixedPrecision']
 
 # %% ../nbs/03_callbacks.ipynb #c004
 def state_to_params_devices(opt):
@@ -203,20 +203,30 @@ class Recorder(Callback):
         self._epoch_losses, self._epoch_sizes = list(state['epoch_losses'].unbind()), list(state['epoch_sizes'])
 
 # %% ../nbs/03_callbacks.ipynb #c016
+def smoothing_window(n_batches, beta=0.98):
+    "Batches to average a plot of `n_batches` losses over: ~1/25 of them, at least 2, at most `beta`'s window."
+    return max(2, min(round(1 / (1 - beta)), n_batches // 25))
+
 @patch
-def plot_loss(self:Recorder, skip_start=0, ax=None):
-    "Plot batch losses, smoothed losses and per-epoch validation losses."
+def plot_loss(self:Recorder,
+              skip_start=0,  # batches to leave out at the start
+              ax=None,  # matplotlib axes to draw on (None: a new figure)
+              path=None,  # file to save the figure to (a script shows no pyplot figure)
+             ):
+    "Plot batch losses, smoothed losses and per-epoch validation losses; return the axes."
     import matplotlib.pyplot as plt
     if ax is None: _, ax = plt.subplots(figsize=(6, 4))
     losses = self.losses
     steps = range(skip_start, len(losses))
     ax.plot(steps, losses[skip_start:], alpha=0.3, label='train (batch)')
-    window = round(1 / (1 - self.beta))
-    ax.plot(steps, self.smooth_losses[skip_start:], label=f'train (smoothed over ~{window} batches, so it lags)')
+    window = smoothing_window(len(losses), self.beta)
+    smooth = smooth_values(losses, 1 - 1 / window)
+    ax.plot(steps, smooth[skip_start:], label=f'train (moving average over ~{window} batches)')
     if self.values and len(losses):
         per_epoch = len(losses) / len(self.values)
         ax.plot([per_epoch * (i + 1) for i in range(len(self.values))], [row[2] for row in self.values], 'o-', label='valid')
     ax.set(xlabel='training batch', ylabel='loss'); ax.legend(loc='upper right')
+    if path is not None: ax.figure.savefig(path, dpi=100)
     return ax
 
 @patch

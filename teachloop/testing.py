@@ -5,6 +5,8 @@
 # %% ../nbs/14a_testing.ipynb #c003
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -12,21 +14,30 @@ from .callbacks import ProgressCallback
 from .data import DataLoaders, digits_cnn, digits_dls, regression_2d
 from .learner import Learner
 from .optimizer import SGD
+from .random_state import set_seed
 
 # %% auto #0
-__all__ = ['tiny_dls', 'quiet', 'tiny_learner', 'digits_learner']
+__all__ = ['tiny_dls', 'quiet', 'tiny_learner', 'digits_learner', 'digits_batches']
 
 # %% ../nbs/14a_testing.ipynb #c005
 def tiny_dls(n_batches=2,  # training batches
-             bs=8,  # items per batch
-             valid=True,  # with a validation batch (of `bs` items)
+             bs=8,  # items per training batch
+             valid=True,  # with the validation batches
              seed=0,  # the seed of the data
+             valid_batches=1,  # validation batches
+             valid_bs=None,  # items per validation batch (None: `bs`)
+             dtype=None,  # the dtype of inputs and targets (None: as drawn, torch's default)
             ):
     "A few batches of a noisy linear regression with two inputs, as lists of `(x, y)`."
-    x, y = regression_2d(n=bs * (n_batches + 1), seed=seed)
-    train = [(x[i * bs:(i + 1) * bs], y[i * bs:(i + 1) * bs]) for i in range(n_batches)]
-    return DataLoaders(train, [(x[-bs:], y[-bs:])] if valid else None)
+    valid_bs = bs if valid_bs is None else valid_bs
+    x, y = regression_2d(n=bs * n_batches + valid_bs * valid_batches, seed=seed)
+    if dtype is not None: x, y = x.to(dtype), y.to(dtype)
+    def batches(start, size, n):
+        ends = [start + i * size for i in range(n + 1)]
+        return [(x[a:b], y[a:b]) for a, b in zip(ends, ends[1:])]
+    return DataLoaders(batches(0, bs, n_batches), batches(bs * n_batches, valid_bs, valid_batches) if valid else None)
 
+# %% ../nbs/14a_testing.ipynb #c010
 def quiet(learn):
     "`learn` with its progress bar and its printed rows switched off (it may have no progress callback)."
     for cb in learn.cbs:
@@ -37,23 +48,33 @@ def tiny_learner(*cbs,  # callbacks for the learner
                  n_batches=2,  # training batches of `tiny_dls`
                  opt_func=SGD,  # the optimizer
                  lr=0.1,  # its learning rate
-                 seed=0,  # the seed of the model's weights
+                 seed=0,  # the seed of every generator, and so of the model's weights
                  default_cbs=False,  # add the default callbacks (recorder, progress bar, ...)
+                 dls=None,  # the data (None: `tiny_dls(n_batches)`)
                  **kwargs,  # more arguments for `Learner`
                 ):
     "A linear model on `tiny_dls`: a learner whose every step can be checked by hand."
-    torch.manual_seed(seed)
-    learn = Learner(tiny_dls(n_batches), nn.Linear(2, 1), nn.functional.mse_loss, opt_func=opt_func, lr=lr,
-                    cbs=list(cbs), default_cbs=default_cbs, **kwargs)
+    set_seed(seed)
+    learn = Learner(tiny_dls(n_batches) if dls is None else dls, nn.Linear(2, 1), nn.functional.mse_loss,
+                    opt_func=opt_func, lr=lr, cbs=list(cbs), default_cbs=default_cbs, **kwargs)
     return quiet(learn)
 
+# %% ../nbs/14a_testing.ipynb #c013
 def digits_learner(*cbs,  # callbacks for the learner
-                   seed=0,  # the seed of the model's weights
+                   seed=0,  # the seed of every generator, and so of the model's weights
                    bs=64,  # batch size
                    lr=3e-3,  # learning rate
+                   model_fn=digits_cnn,  # makes the model, called once the seed is set
                    **kwargs,  # more arguments for `Learner`
                   ):
     "The small CNN on the handwritten digits, quiet: a real network that trains in seconds on a CPU."
-    torch.manual_seed(seed)
-    learn = Learner(digits_dls(bs=bs), digits_cnn(), nn.functional.cross_entropy, lr=lr, cbs=list(cbs), **kwargs)
+    set_seed(seed)
+    learn = Learner(digits_dls(bs=bs), model_fn(), nn.functional.cross_entropy, lr=lr, cbs=list(cbs), **kwargs)
     return quiet(learn)
+
+# %% ../nbs/14a_testing.ipynb #c016
+def digits_batches(n,  # how many batches
+                   bs=64,  # items per batch
+                  ):
+    "The first `n` training batches of the digits, one epoch's batches repeated in the same order."
+    return list(itertools.islice(itertools.cycle(list(digits_dls(bs=bs).train)), n))

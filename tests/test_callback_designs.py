@@ -6,9 +6,10 @@ from torch import nn
 from teachloop.designs.callback_designs import (SETTINGS, TRAINING_BATCH_EVENTS, AllEventsCallback, CallEveryCallback,
                                         dispatch_cost, fit_gluon_style, fit_teachloop_style, fit_v1_style,
                                         one_event_callbacks)
-from teachloop.data import DataLoaders, digits_dls, regression_2d
+from teachloop.data import digits_dls
 from teachloop.learner import EventLog, Learner
 from teachloop.optimizer import SGD
+from teachloop.testing import tiny_dls
 
 
 def test_three_designs_give_identical_results():
@@ -31,11 +32,6 @@ def test_clipping_and_early_stopping_change_the_result():
     assert stopped.epochs_run == 2 and len(stopped.valid_losses) == 2
 
 
-def tiny_dls():
-    x, y = regression_2d(n=40)
-    return DataLoaders([(x[:8], y[:8]), (x[8:16], y[8:16]), (x[16:24], y[16:24])], [(x[24:], y[24:])])
-
-
 def test_dispatch_call_counts_per_batch():
     for n in (0, 3, 8, 20):
         assert dispatch_cost(n, n_batches=10, repeats=2)[0] == n
@@ -46,7 +42,8 @@ def test_call_every_calls_every_method_of_every_callback_in_a_fit():
     k = 4
     for learner_class, base in ((CallEveryCallback, AllEventsCallback), (Learner, None)):
         tally, log = [0], EventLog()
-        learn = learner_class(tiny_dls(), nn.Linear(2, 1), nn.functional.mse_loss, opt_func=SGD, default_cbs=False)
+        learn = learner_class(tiny_dls(3, valid_bs=16), nn.Linear(2, 1), nn.functional.mse_loss, opt_func=SGD,
+                              default_cbs=False)
         cbs = one_event_callbacks(k, tally, base) if base else one_event_callbacks(k, tally)
         learn.add_cbs([log] + cbs)
         learn.fit(2)
@@ -57,7 +54,8 @@ def test_call_every_calls_every_method_of_every_callback_in_a_fit():
 def test_call_every_trains_like_the_learner():
     def train(learner_class):
         torch.manual_seed(0)
-        learn = learner_class(tiny_dls(), nn.Linear(2, 1), nn.functional.mse_loss, opt_func=SGD, lr=0.1, default_cbs=False)
+        learn = learner_class(tiny_dls(3, valid_bs=16), nn.Linear(2, 1), nn.functional.mse_loss, opt_func=SGD, lr=0.1,
+                              default_cbs=False)
         learn.fit(3)
         return learn.model.weight.detach().clone(), learn.train_iter
     (w_tables, iters_tables), (w_every, iters_every) = train(Learner), train(CallEveryCallback)

@@ -5,20 +5,15 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from teachloop.callbacks import Recorder, hypers_read
-from teachloop.data import DataLoaders, regression_2d
 from teachloop.interop import OptimWrapper
-from teachloop.learner import Learner
 from teachloop.optimizer import SGD, Adam
+from teachloop.testing import tiny_learner
 
 
 def fitted(opt_func):
-    torch.manual_seed(0)
-    x, y = regression_2d(n=24)
-    dls = DataLoaders([(x[:8], y[:8]), (x[8:16], y[8:16])], [(x[16:], y[16:])])
-    learn = Learner(dls, nn.Linear(2, 1), F.mse_loss, opt_func=opt_func, lr=0.1, default_cbs=False, cbs=[Recorder()])
+    learn = tiny_learner(Recorder(), opt_func=opt_func)
     learn.fit(1)
     return learn
 

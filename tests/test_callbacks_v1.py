@@ -7,24 +7,12 @@ from torch import nn
 from teachloop.callbacks import accuracy, smooth_values
 from teachloop.designs.callbacks_v1 import (V1_EVENTS, AverageMetric, CallbackHandler, V1GradientClipping, SmoothenValue,
                                     V1Stepper, V1Callback)
-from teachloop.data import DataLoaders, regression_2d, tensor_dls
+from teachloop.data import tensor_dls
 from teachloop.learner import Learner
-from teachloop.optimizer import SGD
 from teachloop.schedule import annealing_cos
+from teachloop.testing import tiny_dls, tiny_learner
 
-LR = 0.1
-
-
-def tiny_data(n_valid_batches=1):
-    x, y = regression_2d(n=16 + 8 * n_valid_batches)
-    train = [(x[:8], y[:8]), (x[8:16], y[8:16])]
-    valid = [(x[16 + 8 * i:24 + 8 * i], y[16 + 8 * i:24 + 8 * i]) for i in range(n_valid_batches)]
-    return DataLoaders(train, valid)
-
-
-def tiny_learner(dls=None):
-    torch.manual_seed(0)
-    return Learner(dls or tiny_data(), nn.Linear(2, 1), nn.functional.mse_loss, opt_func=SGD, lr=LR, default_cbs=False)
+LR = 0.1  # tiny_learner's, which the hand-written loop must take too
 
 
 def hand_written_fit(n_epoch, transform_batch=lambda x, y: (x, y), transform_pred=lambda p: p, clip=None):
@@ -33,7 +21,7 @@ def hand_written_fit(n_epoch, transform_batch=lambda x, y: (x, y), transform_pre
     model = nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     for _ in range(n_epoch):
-        for x, y in tiny_data().train:
+        for x, y in tiny_dls().train:
             x, y = transform_batch(x, y)
             loss = nn.functional.mse_loss(transform_pred(model(x)), y)
             loss.backward()
@@ -139,7 +127,7 @@ def test_on_batch_end_true_in_validation_ends_validation():
     class StopValid(V1Callback):
         def on_batch_end(self, train, **kwargs): return not train
     counter = CountSteps()
-    tiny_learner(tiny_data(n_valid_batches=3)).fit(1, cbs=[CallbackHandler([StopValid(), counter])])
+    tiny_learner(dls=tiny_dls(valid_batches=3)).fit(1, cbs=[CallbackHandler([StopValid(), counter])])
     assert counter.valid_batches == 1 and counter.steps_per_epoch == [2]
 
 
@@ -265,12 +253,12 @@ def test_a_batch_cancelled_before_its_loss_has_no_on_batch_end():
         def before_batch(self):
             if self.iter == 0: raise CancelBatchException()
     counter, log = CountSteps(), Log()
-    learn = tiny_learner(tiny_data(n_valid_batches=2))
+    learn = tiny_learner(dls=tiny_dls(valid_batches=2))
     learn.fit(2, cbs=[SkipFirstBatches(), CallbackHandler([counter, log])])
     ends = [s for e, s in log.calls if e == 'on_batch_end']
     assert [(s['train'], s['num_batch'], s['iteration']) for s in ends] == [(True, 1, 0), (False, 1, 1), (True, 1, 1), (False, 1, 2)]
     assert counter.steps_per_epoch == [1, 1] and counter.valid_batches == 2
-    x, y = tiny_data(n_valid_batches=2).valid[1]
+    x, y = tiny_dls(valid_batches=2).valid[1]
     with torch.no_grad(): expected = nn.functional.mse_loss(learn.model(x), y).item()
     last_metrics = [s['last_metrics'] for e, s in log.calls if e == 'on_epoch_end'][-1]
     assert math.isclose(last_metrics[0], expected, rel_tol=1e-6)  # the valid loss of the batch that ran, only

@@ -15,13 +15,7 @@ from teachloop.learner import Callback, CancelFitException, Learner
 from teachloop.optimizer import SGD, Adam
 
 from teachloop.schedule import ParamScheduler, one_cycle_scheds
-
-
-def make_learner(opt_func=Adam, lr=3e-3, seed=0, model_fn=digits_cnn, **kwargs):
-    torch.manual_seed(seed)
-    learn = Learner(digits_dls(bs=64), model_fn(), F.cross_entropy, opt_func=opt_func, lr=lr, **kwargs)
-    learn.progress.show_bar, learn.progress.print_rows = False, False
-    return learn
+from teachloop.testing import digits_learner, quiet
 
 
 class StopAfterEpoch(Callback):
@@ -68,7 +62,8 @@ def test_resumed_fit_equals_uninterrupted_fit_bit_for_bit(tmp_path, setup, stop)
     opt_func, lr, scheds = SETUPS[setup]['opt_func'], SETUPS[setup]['lr'], SETUPS[setup]['scheds']
     def sched_cbs(): return [ParamScheduler(scheds())] if scheds else []
     def learner():
-        return make_learner(opt_func=opt_func, lr=lr, model_fn=Dropout, metrics=[lambda p, t: (p.argmax(1) == t).float().mean()])
+        return digits_learner(opt_func=opt_func, lr=lr, model_fn=Dropout,
+                              metrics=[lambda p, t: (p.argmax(1) == t).float().mean()])
     straight = learner()
     straight.fit(4, cbs=sched_cbs())
     stopped = learner()
@@ -91,17 +86,17 @@ def test_resumed_fit_equals_uninterrupted_fit_bit_for_bit(tmp_path, setup, stop)
 
 
 def test_resume_with_fit_one_cycle_from_the_schedule_module(tmp_path):
-    straight = make_learner()
+    straight = digits_learner()
     straight.fit_one_cycle(3, 1e-2)
-    stopped = make_learner()
+    stopped = digits_learner()
     stopped.fit_one_cycle(3, 1e-2, cbs=[Checkpoint(tmp_path), StopAfterEpoch(0)])
-    resumed = make_learner()
+    resumed = digits_learner()
     resumed.fit_one_cycle(3, 1e-2, resume=tmp_path / 'latest.pt')
     assert weights_equal(straight, resumed) and history(straight) == history(resumed)
 
 
 def test_checkpoint_files_keep_and_latest(tmp_path):
-    learn = make_learner()
+    learn = digits_learner()
     learn.fit(5, cbs=[Checkpoint(tmp_path, every_n_epochs=2, keep=1)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ['epoch-004.pt', 'latest.pt']
     assert os.path.samefile(tmp_path / 'epoch-004.pt', tmp_path / 'latest.pt')
@@ -114,13 +109,13 @@ def test_checkpoint_files_keep_and_latest(tmp_path):
 def test_keep_removes_only_files_this_callback_wrote(tmp_path):
     earlier = tmp_path / 'epoch-009.pt'  # an earlier, longer fit's file in the same folder
     earlier.write_bytes(b'an earlier fit')
-    make_learner().fit(3, cbs=[Checkpoint(tmp_path, keep=1)])
+    digits_learner().fit(3, cbs=[Checkpoint(tmp_path, keep=1)])
     assert sorted(p.name for p in tmp_path.iterdir()) == ['epoch-003.pt', 'epoch-009.pt', 'latest.pt']
     assert earlier.read_bytes() == b'an earlier fit'
 
 
 def test_a_crash_while_writing_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
-    learn = make_learner()
+    learn = digits_learner()
     learn.fit(1)
     learn.save_checkpoint(tmp_path / 'ck.pt')
     good = (tmp_path / 'ck.pt').read_bytes()
@@ -146,16 +141,15 @@ def snapshot(learn):
 
 
 def test_refusals_change_nothing(tmp_path):
-    source = make_learner()
+    source = digits_learner()
     source.fit(1, cbs=[Checkpoint(tmp_path)])
-    other = Learner(digits_dls(), nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), F.cross_entropy)
-    other.progress.show_bar, other.progress.print_rows = False, False
+    other = quiet(Learner(digits_dls(), nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), F.cross_entropy))
     other.fit(1)
     before = snapshot(other)
     with pytest.raises(ValueError, match='do not fit this model'): other.fit(3, resume=tmp_path / 'latest.pt')
     assert_unchanged(other, before)
     (tmp_path / 'cut.pt').write_bytes((tmp_path / 'latest.pt').read_bytes()[:2000])
-    learn = make_learner(seed=1)
+    learn = digits_learner(seed=1)
     learn.fit(1)
     before = snapshot(learn)
     with pytest.raises(ValueError, match='truncated'): learn.fit(3, resume=tmp_path / 'cut.pt')
@@ -169,15 +163,15 @@ def test_refusals_change_nothing(tmp_path):
 
 def test_refusals_found_only_by_loading_change_nothing(tmp_path):
     "Another optimizer, a missing stateful callback: refused before any callback's before_fit resets the history."
-    source = make_learner(opt_func=SGD, lr=0.05)
+    source = digits_learner(opt_func=SGD, lr=0.05)
     source.fit(2, cbs=[EarlyStopping('valid_loss', 'min', patience=3), Checkpoint(tmp_path), StopAfterEpoch(0)])
-    learn = make_learner(opt_func=Adam)
+    learn = digits_learner(opt_func=Adam)
     learn.fit(1)
     before = snapshot(learn)
     with pytest.raises(ValueError, match='optimizer'):
         learn.fit(2, cbs=[EarlyStopping('valid_loss', 'min', patience=3)], resume=tmp_path / 'latest.pt')
     assert_unchanged(learn, before)
-    learn = make_learner(opt_func=SGD, lr=0.05)
+    learn = digits_learner(opt_func=SGD, lr=0.05)
     learn.fit(1)
     before = snapshot(learn)
     with pytest.raises(ValueError, match='early_stopping'): learn.fit(2, resume=tmp_path / 'latest.pt')
@@ -188,17 +182,17 @@ def test_a_checkpoint_from_the_middle_of_an_epoch_is_refused_for_resume(tmp_path
     class Interrupt(Callback):
         def after_batch(self):
             if self.training and self.iter == 5: raise KeyboardInterrupt
-    learn = make_learner()
+    learn = digits_learner()
     with pytest.raises(KeyboardInterrupt): learn.fit(2, cbs=[Interrupt()])
     learn.save_checkpoint(tmp_path / 'mid.pt')
-    fresh = make_learner(seed=1)
+    fresh = digits_learner(seed=1)
     with pytest.raises(ValueError, match='middle of epoch 0'): fresh.fit(2, resume=tmp_path / 'mid.pt')
     fresh.load_checkpoint(tmp_path / 'mid.pt')
     assert weights_equal(fresh, learn)
 
 
 def test_interrupted_checkpoint_only_when_the_fit_did_not_end_and_no_step_was_left_half_done(tmp_path):
-    learn = make_learner()
+    learn = digits_learner()
     learn.fit(1, cbs=[Checkpoint(tmp_path)])
     assert not (tmp_path / 'interrupted.pt').exists()
     class FailAfterStep(Callback):
@@ -215,10 +209,10 @@ def test_interrupted_checkpoint_only_when_the_fit_did_not_end_and_no_step_was_le
 
 
 def test_resume_needs_the_callbacks_whose_state_was_saved(tmp_path):
-    learn = make_learner()
+    learn = digits_learner()
     learn.fit(2, cbs=[EarlyStopping('valid_loss', 'min', patience=3), Checkpoint(tmp_path), StopAfterEpoch(0)])
     assert 'early_stopping' in read_checkpoint(tmp_path / 'latest.pt')['callbacks']
-    fresh = make_learner()
+    fresh = digits_learner()
     with pytest.raises(ValueError, match="early_stopping"): fresh.fit(2, resume=tmp_path / 'latest.pt')
     fresh.fit(2, cbs=[EarlyStopping('valid_loss', 'min', patience=3)], resume=tmp_path / 'latest.pt')
 
@@ -232,7 +226,7 @@ class Scripted:
 
 def scripted_learner(values, **kwargs):
     metric = Scripted(values)
-    learn = make_learner(metrics=[metric], **kwargs)
+    learn = digits_learner(metrics=[metric], **kwargs)
     metric.learn = learn
     return learn
 
@@ -300,11 +294,11 @@ def test_a_save_at_an_epochs_end_resumes_from_the_next_epoch_whatever_its_order(
         def after_epoch(self):
             if self.epoch == 0: self.learn.save_checkpoint(tmp_path / 'end.pt')
     SaveAtEpochEnd.order = order
-    whole = make_learner()
+    whole = digits_learner()
     whole.fit(2)
-    first = make_learner(cbs=[SaveAtEpochEnd()])
+    first = digits_learner(SaveAtEpochEnd())
     first.fit(1)
-    resumed = make_learner()
+    resumed = digits_learner()
     resumed.fit(2, resume=tmp_path / 'end.pt')
     assert weights_equal(resumed, whole) and history(resumed)[:2] == history(whole)[:2]
 
@@ -329,7 +323,7 @@ def test_a_nan_capture_into_a_folder_is_written_there(tmp_path):
         order = 15
         def after_backward(self):
             if self.train_iter == 3: next(self.model.parameters()).grad.view(-1)[0] = float('nan')
-    learn = make_learner(cbs=[NaNCapture(tmp_path), NaNAt()])
+    learn = digits_learner(NaNCapture(tmp_path), NaNAt())
     learn.fit(1)
     assert load_capture(tmp_path / 'nan-capture.pt')['train_iter'] == 3
 
@@ -352,9 +346,7 @@ def augmented_learner():
                                         generator=torch.Generator().manual_seed(0))
     valid = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[1024:], y[1024:]), batch_size=256)
     torch.manual_seed(0)
-    learn = Learner(DataLoaders(train, valid), digits_cnn(), F.cross_entropy, lr=3e-3)
-    learn.progress.show_bar, learn.progress.print_rows = False, False
-    return learn
+    return quiet(Learner(DataLoaders(train, valid), digits_cnn(), F.cross_entropy, lr=3e-3))
 
 
 def test_a_ctrl_c_while_an_augmented_batch_is_drawn_resumes_exactly(tmp_path):
@@ -379,9 +371,7 @@ def augmented_learner_with(train_loader_args):
     train = torch.utils.data.DataLoader(dataset, batch_size=64, **train_loader_args(dataset))
     valid = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x[1024:], y[1024:]), batch_size=256)
     torch.manual_seed(0)
-    learn = Learner(DataLoaders(train, valid), Dropout(), F.cross_entropy, lr=3e-3)
-    learn.progress.show_bar, learn.progress.print_rows = False, False
-    return learn
+    return quiet(Learner(DataLoaders(train, valid), Dropout(), F.cross_entropy, lr=3e-3))
 
 
 LOADERS = {
@@ -448,7 +438,7 @@ def test_a_save_folder_spoiled_after_the_callback_was_made_is_refused_before_the
     "The folder replaced by a file between making the callback and the fit: refused in before_fit, nothing trained."
     callback = make(tmp_path / 'saves')
     (tmp_path / 'saves').write_text('not a folder')
-    learn = make_learner()
+    learn = digits_learner()
     before = [p.detach().clone() for p in learn.model.parameters()]
     with pytest.raises(ValueError, match='saves'): learn.fit(1, cbs=[callback])
     assert learn.train_iter == 0 and all(torch.equal(a, b) for a, b in zip(before, learn.model.parameters()))
@@ -472,7 +462,7 @@ def test_a_save_from_inside_a_batch_keeps_the_random_states_of_its_start(tmp_pat
 def test_a_fit_resumed_mid_epoch_on_the_gpu_continues_its_history(tmp_path):
     "The epoch's first losses come back from the file on the CPU; the resumed batches' losses are on the GPU."
     def learner():
-        learn = make_learner()
+        learn = digits_learner()
         learn.device.device = torch.device('cuda')
         return learn
     straight = learner()

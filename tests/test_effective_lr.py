@@ -1,6 +1,5 @@
 "Effective learning rates and update ratios against torch.optim's state, the realised steps, and the definitions."
 import copy
-import itertools
 from functools import partial
 
 import pytest
@@ -13,15 +12,12 @@ from teachloop.interop import OptimWrapper
 from teachloop.learner import Learner
 from teachloop.optimizer import SGD, Adam, RMSProp
 from teachloop.optimizers import LARS, Lamb, Lion, Nesterov, QHAdam, RAdam
+from teachloop.testing import digits_batches
 
 pytestmark = pytest.mark.numeric
 # Models and data in float64: float32 results depend on the CPU's vector width, and a realised step p - w of 1e-3
 # on weights of 0.1 keeps only 4 significant float32 digits; float64 keeps 13, so 1e-9 relative is a tight check.
 RTOL = 1e-9
-
-
-def batches(n):
-    return list(itertools.islice(itertools.cycle(list(digits_dls().train)), n))
 
 
 def train(model, opt, data):
@@ -44,7 +40,7 @@ def twin_models():
 def test_matches_torch_state(ours, theirs, formula):
     a, b = twin_models()
     opt_a, opt_b = ours(a.parameters()), theirs(b.parameters())
-    data = batches(20)
+    data = digits_batches(20)
     train(a, opt_a, data); train(b, opt_b, data)
     ours_lrs = effective_lrs(opt_a, a)
     for (name, p), q in zip(a.named_parameters(), b.parameters()):
@@ -61,7 +57,7 @@ def test_realised_step_is_effective_lr_times_average_gradient(factory, n_steps):
     "For Adam-like optimizers without weight decay, the step taken is -effective lr x debiased average gradient."
     model, _ = twin_models()
     opt = factory(model.parameters(), fast=False)
-    data = batches(n_steps)
+    data = digits_batches(n_steps)
     train(model, opt, data[:-1])
     before = [p.detach().clone() for p in model.parameters()]
     train(model, opt, data[-1:])
@@ -77,14 +73,14 @@ def test_realised_step_is_effective_lr_times_average_gradient(factory, n_steps):
 def test_constant_for_sgd_like(factory, lr):
     model, _ = twin_models()
     opt = factory(model.parameters())
-    train(model, opt, batches(3))
+    train(model, opt, digits_batches(3))
     for lrs in effective_lrs(opt).values(): assert torch.equal(lrs, torch.full_like(lrs, lr))
 
 
 def test_lars_first_step_is_effective_lr_times_gradient():
     model, _ = twin_models()
     opt = LARS(model.parameters(), lr=1.)
-    xb, yb = batches(1)[0]
+    xb, yb = digits_batches(1)[0]
     F.cross_entropy(model(xb.double()), yb).backward()
     grads = [p.grad.clone() for p in model.parameters()]
     before = [p.detach().clone() for p in model.parameters()]
@@ -97,7 +93,7 @@ def test_lars_first_step_is_effective_lr_times_gradient():
 def test_leaves_state_unchanged(factory):
     model, _ = twin_models()
     opt = factory(model.parameters())
-    train(model, opt, batches(3))
+    train(model, opt, digits_batches(3))
     before = copy.deepcopy(opt.state_dict())
     effective_lr_stats(opt, model); effective_lr_stats(opt, model, per='param')
     after = opt.state_dict()
@@ -109,7 +105,7 @@ def test_quantiles_per_layer_and_param():
     model, _ = twin_models()
     model.float()
     opt = Adam(model.parameters(), lr=1e-3)
-    train(model, opt, batches(2))
+    train(model, opt, digits_batches(2))
     lrs = effective_lrs(opt, model)
     per_layer = effective_lr_stats(opt, model, quantiles=(0.1, 0.9))
     assert set(per_layer) == {'0.0', '1.0', '2.0', '5'}
@@ -142,7 +138,7 @@ def test_update_ratio():
     model, reference = twin_models()
     tracker = UpdateRatio(model)
     opt = SGD(model.parameters(), lr=0.1)
-    train(model, opt, batches(2))
+    train(model, opt, digits_batches(2))
     ratios = tracker.ratios()
     change = sum((p - q).pow(2).sum() for p, q in zip(model[-1].parameters(), reference[-1].parameters())).sqrt()
     size = sum(q.pow(2).sum() for q in reference[-1].parameters()).sqrt()

@@ -1,23 +1,16 @@
 import pytest
-import torch
-from torch import nn
 
 from teachloop.designs.callbacks_v1 import CallbackHandler, V1Callback
-from teachloop.data import DataLoaders, regression_2d
 from teachloop.designs.event_filters import EventFilter, FuncCallback, every, filtered, once, reset_event_counts, when
 from teachloop.designs.gluon_handlers import BatchEnd, Estimator
-from teachloop.learner import Callback, Learner
-from teachloop.optimizer import SGD
+from teachloop.learner import Callback
+from teachloop.testing import tiny_dls, tiny_learner
 
 N_TRAIN = 5
 
 
-def make_learner():
-    x, y = regression_2d(n=8 * (N_TRAIN + 2))
-    batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, len(x), 8)]
-    torch.manual_seed(0)
-    return Learner(DataLoaders(batches[:N_TRAIN], batches[N_TRAIN:]), nn.Linear(2, 1), nn.functional.mse_loss,
-                   opt_func=SGD, lr=0.1, default_cbs=False)
+# the counts below are of this file's data: N_TRAIN training and 2 validation batches
+def make_learner(): return tiny_learner(dls=tiny_dls(N_TRAIN, valid_batches=2))
 
 
 def passing(event_filter, n=20, owner=None): return [c for c in range(1, n + 1) if event_filter(owner, c)]

@@ -1,16 +1,16 @@
 "The fast (multi-tensor and fused) step against the per-parameter callbacks, which stay the reference."
 import copy
-import itertools
 from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from teachloop.data import digits_cnn, digits_dls
+from teachloop.data import digits_cnn
 from teachloop.fast import FastStep, plan_fast_step
 from teachloop.optimizer import SGD, Adam, Optimizer, RMSProp
 from teachloop.optimizers import LARC, LARS, Lamb, Lion, Lookahead, Nesterov, QHAdam, RAdam
+from teachloop.testing import digits_batches
 
 pytestmark = pytest.mark.numeric
 
@@ -34,9 +34,7 @@ OPTIMIZERS = {
 
 
 @pytest.fixture(scope='module')
-def batches():
-    return list(itertools.islice(itertools.chain.from_iterable(itertools.repeat(list(digits_dls(bs=64).train), 10)),
-                                 N_STEPS))
+def batches(): return digits_batches(N_STEPS)
 
 
 def train(opt_func, fast, batches, no_wd_on_biases=False, switch_at=None):

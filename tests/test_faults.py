@@ -2,6 +2,7 @@
 import random
 import signal
 import threading
+from functools import partial
 
 import numpy as np
 import pytest
@@ -14,18 +15,11 @@ from teachloop.faults import CheckBatch, GradientClipping, TerminateOnNaN
 from teachloop.random_state import set_seed
 from teachloop.learner import BATCH_EVENTS, EVENTS, Callback, CancelFitException, Learner
 from teachloop.optimizer import SGD
+from teachloop.testing import digits_learner, quiet
 
 
-def quiet(learn):
-    learn.progress.show_bar, learn.progress.print_rows = False, False
-    return learn
-
-
-def make_learner(seed=0, **kwargs):
-    set_seed(seed)
-    kwargs.setdefault('opt_func', SGD)
-    kwargs.setdefault('lr', 0.05)
-    return quiet(Learner(digits_dls(), digits_cnn(), F.cross_entropy, **kwargs))
+# the learner that `plain_sgd_weights` retraces by hand, step for step
+sgd_learner = partial(digits_learner, opt_func=SGD, lr=0.05)
 
 
 def state(learn):
@@ -53,7 +47,7 @@ def plain_sgd_weights(steps, seed=0, lr=0.05):
 
 def test_set_seed_gives_bitwise_equal_fits_and_seeds_every_generator():
     def fit(seed):
-        learn = make_learner(seed, opt_func=SGD)
+        learn = sgd_learner(seed=seed)
         learn.model = nn.Sequential(nn.Dropout(0.2), learn.model)  # randomness inside the steps too
         learn.fit(1)
         return learn.recorder.losses
@@ -78,7 +72,7 @@ class NaNLossAt(Callback):
 
 
 def test_terminate_on_nan_stops_before_backward_with_good_weights():
-    learn = make_learner()
+    learn = sgd_learner()
     guard = TerminateOnNaN()
     learn.fit(2, cbs=[NaNLossAt(7), guard])
     assert guard.stopped_at == (0, 7) and learn.train_iter == 7
@@ -86,7 +80,7 @@ def test_terminate_on_nan_stops_before_backward_with_good_weights():
 
 
 def test_terminate_on_nan_with_check_every_reads_late():
-    learn = make_learner()
+    learn = sgd_learner()
     guard = TerminateOnNaN(check_every=4)
     learn.fit(2, cbs=[NaNLossAt(5), guard])
     assert guard.stopped_at == (0, 7)  # steps 4..7 form one window, read at step 7
@@ -103,7 +97,7 @@ def test_gradient_clipping_scales_all_gradients_together():
         def before_step(self):
             seen['after'] = [p.grad.clone() for p in self.model.parameters()]
             raise CancelFitException()
-    learn = make_learner()
+    learn = sgd_learner()
     learn.fit(1, cbs=[Before(), GradientClipping(0.01), After()])
     norm = torch.linalg.vector_norm(torch.stack([g.norm() for g in seen['before']]))
     assert norm > 0.01
@@ -125,7 +119,7 @@ class RaiseAt(Callback):
 
 
 def test_keyboard_interrupt_keeps_the_state_of_the_last_finished_batch_and_is_reraised():
-    learn = make_learner()
+    learn = sgd_learner()
     with pytest.raises(KeyboardInterrupt): learn.fit(2, cbs=[RaiseAt('before_batch', KeyboardInterrupt, 1, 4)])
     steps = len(learn.dls.train) + 4
     assert learn.train_iter == steps and len(learn.recorder.losses) == steps
@@ -144,9 +138,9 @@ def test_a_stop_from_another_thread_leaves_the_same_state_without_an_exception()
         def _ask_from_a_thread(self):
             t = threading.Thread(target=self.requested.set)
             t.start(); t.join()
-    stopped = make_learner()
+    stopped = sgd_learner()
     stopped.fit(2, cbs=[StopFlag()])
-    interrupted = make_learner()
+    interrupted = sgd_learner()
     with pytest.raises(KeyboardInterrupt): interrupted.fit(2, cbs=[RaiseAt('before_batch', KeyboardInterrupt, 1, 4)])
     a, b = state(stopped), state(interrupted)
     assert same_weights(a[0], b[0]) and a[1:] == b[1:]
@@ -154,7 +148,7 @@ def test_a_stop_from_another_thread_leaves_the_same_state_without_an_exception()
 
 def test_the_dashboard_stop_from_its_thread():
     dashboard = pytest.importorskip('teachloop.dashboard')
-    learn = make_learner()
+    learn = sgd_learner()
     handles, started = [], threading.Event()
     class StopFromOutside(Callback):
         def before_batch(self):
@@ -171,7 +165,7 @@ def test_the_dashboard_stop_from_its_thread():
 
 
 def test_ctrl_c_inside_the_optimizer_step_waits_for_the_step_and_the_batch():
-    learn = make_learner()
+    learn = sgd_learner()
     learn.create_opt()
     real_step_param = learn.opt.step_param
     n_params, calls = len(list(learn.model.parameters())), []
@@ -193,7 +187,7 @@ EVENTS_IN_A_FIT = [e for e in EVENTS if e not in ('after_create',) and not e.sta
 
 @pytest.mark.parametrize('event', EVENTS_IN_A_FIT)
 def test_an_error_at_any_event_leaves_a_usable_learner(event):
-    learn = make_learner()
+    learn = sgd_learner()
     with pytest.raises(RuntimeError, match='boom') as info: learn.fit(2, cbs=[RaiseAt(event, lambda: RuntimeError('boom'))])
     assert any(event in note for note in getattr(info.value, '__notes__', []))
     assert not learn.model.training and all(p.grad is None for p in learn.model.parameters())
@@ -244,7 +238,7 @@ def unchanged(learn, before):
 
 
 def test_bad_fit_arguments_and_callbacks_change_nothing():
-    learn = make_learner()
+    learn = sgd_learner()
     learn.fit(1)
     before = ({k: v.clone() for k, v in learn.model.state_dict().items()}, learn.opt, learn.recorder.losses)
     check = CheckBatch()

@@ -13,6 +13,7 @@ from teachloop.designs.gluon_handlers import (GLUON_EVENTS, BatchEnd, Checkpoint
 from teachloop.learner import Learner
 
 
+# this file's own data: a classification problem, its validation set held apart for the validation handlers
 def classification_data():
     g = torch.Generator().manual_seed(0)
     x, y = torch.randn(160, 4, generator=g), torch.randint(0, 3, (160,), generator=g)

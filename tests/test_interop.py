@@ -11,6 +11,7 @@ from teachloop.interop import OptimWrapper, freeze, freeze_to, split_at, unfreez
 from teachloop.learner import Learner
 from teachloop.optimizer import SGD, Adam
 from teachloop.optimizers import Lamb
+from teachloop.testing import digits_batches
 
 pytestmark = pytest.mark.numeric
 
@@ -54,7 +55,7 @@ def test_zero_grad(set_to_none):
 def test_state_dict_round_trip_continues_identically(factory):
     torch.manual_seed(0)
     model = digits_cnn()
-    batches = list(digits_dls().train)[:6]
+    batches = digits_batches(6)
     opt = factory(model.parameters())
     hand_loop(model, opt, batches[:3])
     twin_model = copy.deepcopy(model)
@@ -188,7 +189,7 @@ def test_deepcopy_and_pickle_keep_the_algorithm(factory):
     torch.manual_seed(0)
     model = digits_cnn()
     opt = factory(model.parameters())
-    batches = list(digits_dls().train)[:4]
+    batches = digits_batches(4)
     hand_loop(model, opt, batches[:2])
     twin_model, twin = copy.deepcopy((model, opt))  # one copy, so the twin optimizer holds the twin's parameters
     hand_loop(model, opt, batches[2:]); hand_loop(twin_model, twin, batches[2:])

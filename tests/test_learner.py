@@ -14,20 +14,11 @@ from teachloop.learner import (EVENTS, CancelBackwardException, CancelBatchExcep
                                CancelFitException, CancelStepException, CancelTrainException, CancelValidException,
                                Callback, EventLog, Learner)
 from teachloop.optimizer import SGD, Adam
+from teachloop.testing import digits_learner, quiet, tiny_dls, tiny_learner
 
 TRAIN_BATCH = ['before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step',
                'after_step', 'after_batch']
 VALID_BATCH = ['before_batch', 'after_pred', 'after_loss', 'after_batch']
-
-
-def tiny_dls():
-    x, y = regression_2d(n=24)
-    return DataLoaders([(x[:8], y[:8]), (x[8:16], y[8:16])], [(x[16:], y[16:])])
-
-
-def tiny_learner(cbs=(), **kwargs):
-    torch.manual_seed(0)
-    return Learner(tiny_dls(), nn.Linear(2, 1), F.mse_loss, opt_func=SGD, lr=0.1, cbs=list(cbs), default_cbs=False, **kwargs)
 
 
 def epoch_events(train_batches, valid_batches):
@@ -51,7 +42,7 @@ class Raise(Callback):
 
 def run_logged(n_epoch=1, cbs=()):
     log = EventLog()
-    learn = tiny_learner([log, *cbs])
+    learn = tiny_learner(log, *cbs)
     learn.fit(n_epoch)
     return log.events[1:]  # drop after_create
 
@@ -64,7 +55,7 @@ def test_full_event_sequence():
 
 def test_after_create_fires_once_at_construction():
     log = EventLog()
-    tiny_learner([log])
+    tiny_learner(log)
     assert log.events == ['after_create']
 
 
@@ -92,7 +83,7 @@ def test_cancel_step():
 def test_cancelled_backward_or_step_leaves_weights_unchanged_and_zeroes_gradients(event, exc):
     stop_after_first = Raise('before_batch', CancelTrainException, iter=1)
     stop_after_first.name = 'stop_train'
-    learn = tiny_learner([Raise(event, exc, iter=0), stop_after_first])
+    learn = tiny_learner(Raise(event, exc, iter=0), stop_after_first)
     before = copy.deepcopy(learn.model.state_dict())
     learn.fit(1)
     assert all(torch.equal(before[k], v) for k, v in learn.model.state_dict().items())
@@ -129,7 +120,7 @@ def test_validation_runs_without_grad_and_in_eval_mode():
     seen = []
     class Probe(Callback):
         def after_pred(self): seen.append((self.training, self.model.training, torch.is_grad_enabled()))
-    tiny_learner([Probe()]).fit(1)
+    tiny_learner(Probe()).fit(1)
     assert seen == [(True, True, True), (True, True, True), (False, False, False)]
 
 
@@ -138,7 +129,7 @@ def test_order_is_a_stable_sort():
     def make(tag, order):
         cls = type(f'Cb{tag}', (Callback,), {'order': order, 'before_fit': lambda self: calls.append(tag)})
         return cls()
-    learn = tiny_learner([make('a', 5), make('b', -1), make('c', 5), make('d', 0)])
+    learn = tiny_learner(make('a', 5), make('b', -1), make('c', 5), make('d', 0))
     learn.fit(1)
     assert calls == ['b', 'd', 'a', 'c']
 
@@ -152,7 +143,7 @@ def test_run_train_and_run_valid_gate_batch_events_only():
     class ValidOnly(TrainOnly):
         run_train, run_valid = False, True
     t, v = TrainOnly(), ValidOnly()
-    tiny_learner([t, v]).fit(2)
+    tiny_learner(t, v).fit(2)
     assert (t.batches, t.validates) == (4, 2) and (v.batches, v.validates) == (2, 2)
 
 
@@ -160,7 +151,7 @@ def test_event_tables_hold_only_implementers():
     class OnlyAfterBatch(Callback):
         def after_batch(self): pass
     cb = OnlyAfterBatch()
-    learn = tiny_learner([cb])
+    learn = tiny_learner(cb)
     tables = learn._event_tables
     for table in tables:
         assert [h.__self__ for h in table['after_batch']][-1] is cb
@@ -170,7 +161,7 @@ def test_event_tables_hold_only_implementers():
 def test_reads_fall_through_and_callbacks_reachable_by_name():
     class Peek(Callback):
         def after_loss(self): self.seen = (self.loss, self.n_epoch, self.epoch, self.learn.loss_grad is self.loss_grad)
-    learn = tiny_learner([Peek()])
+    learn = tiny_learner(Peek())
     learn.fit(1)
     assert learn.peek.seen[1:] == (1, 0, True)
     assert learn.train_eval.name == 'train_eval'
@@ -181,14 +172,14 @@ def test_writing_a_learner_attribute_on_the_callback_warns():
     class Shadow(Callback):
         def before_fit(self): self.loss_grad = 1.
     with pytest.warns(UserWarning, match=r'self\.learn\.loss_grad'):
-        tiny_learner([Shadow()]).fit(1)
+        tiny_learner(Shadow()).fit(1)
 
 
 def test_misspelt_event_is_an_error_when_added():
     class Typo(Callback):
         def before_bach(self): pass
     with pytest.raises(ValueError, match='before_batch'):
-        tiny_learner([Typo()])
+        tiny_learner(Typo())
     class NearMiss(Callback):
         def afterbatch(self): pass
     with pytest.raises(ValueError, match='after_batch'):
@@ -356,7 +347,7 @@ def test_error_in_a_plain_function_handler_keeps_its_type():
     def explode(): raise RuntimeError('from a plain function')
     cb = EventLog(events=())
     cb.after_loss = explode
-    with pytest.raises(RuntimeError, match='from a plain function') as info: tiny_learner([cb]).fit(1)
+    with pytest.raises(RuntimeError, match='from a plain function') as info: tiny_learner(cb).fit(1)
     assert any('explode.after_loss' in n for n in info.value.__notes__)
 
 
@@ -375,8 +366,8 @@ def test_recorder_rows_of_a_phase_cancelled_before_the_recorder_heard_it(event, 
         def __init__(self): setattr(self, event, self.cancel)
         def cancel(self):
             if self.epoch == 1: raise exc()
-    learn = Learner(tiny_dls(), nn.Linear(2, 1), F.mse_loss, opt_func=SGD, lr=0.1, cbs=[CancelInSecondEpoch()])
-    learn.progress.show_bar = learn.progress.print_rows = False
+    learn = quiet(Learner(tiny_dls(), nn.Linear(2, 1), F.mse_loss, opt_func=SGD, lr=0.1,
+                          cbs=[CancelInSecondEpoch()]))
     learn.fit(3)
     rows = learn.recorder.values
     assert [r[0] for r in rows] == [0, 1, 2] and all(r[1] == r[1] and r[2] == r[2] for r in (rows[0], rows[2]))
@@ -398,10 +389,7 @@ def test_mixed_precision_float16_skips_a_step_with_inf_gradients_and_lowers_the_
         def after_pred(self): self.dtypes.add(self.pred.dtype)
         def after_batch(self):
             if self.training: self.weights.append(next(self.model.parameters()).detach().clone())
-    torch.manual_seed(0)
-    learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, opt_func=SGD, lr=0.05,
-                    cbs=[MixedPrecision(torch.float16), InfGradientAt(), Watch()])
-    learn.progress.show_bar = learn.progress.print_rows = False
+    learn = digits_learner(MixedPrecision(torch.float16), InfGradientAt(), Watch(), opt_func=SGD, lr=0.05)
     learn.fit(1)
     w = learn.watch.weights
     assert learn.watch.dtypes == {torch.float16} and all(p.dtype == torch.float32 for p in learn.model.parameters())
@@ -417,11 +405,9 @@ def test_mixed_precision_float16_skips_a_step_with_inf_gradients_and_lowers_the_
 def test_mixed_precision_float16_survives_a_cancelled_backward_or_batch(event, exc):
     "A batch cancelled around its backward leaves the scaler consistent: the fit goes on and the next steps train."
     from teachloop.callbacks import MixedPrecision
-    torch.manual_seed(0)
     cancel = Raise(event, exc, iter=1)
     cancel.order = 20  # after MixedPrecision (10) has unscaled, for the after_backward case
-    learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, opt_func=SGD, lr=0.05,
-                    cbs=[MixedPrecision(torch.float16), cancel], default_cbs=False)
+    learn = digits_learner(MixedPrecision(torch.float16), cancel, opt_func=SGD, lr=0.05, default_cbs=False)
     before = [p.detach().clone() for p in learn.model.parameters()]
     learn.fit(1)
     after = list(learn.model.parameters())
@@ -463,7 +449,7 @@ def test_a_batch_cancelled_after_backward_leaves_no_gradient(event):
             if not self.done and self.training: self.done = True; raise CancelBatchException()
     cancel = CancelFirst()
     setattr(cancel, event, cancel.cancel)
-    learn = tiny_learner([cancel])
+    learn = tiny_learner(cancel)
     start = copy.deepcopy(learn.model)
     learn.fit(1)
     reference = copy.deepcopy(start)
@@ -513,7 +499,7 @@ def test_hypers_no_callback_reads_cannot_be_scheduled():
     learn = tiny_learner()  # SGD without momentum: `mom` is a hyper-parameter no callback reads
     with pytest.raises(ValueError, match="no callback of the optimizer reads 'mom'"):
         learn.fit(1, cbs=[ParamScheduler({'mom': lambda pct: 0.9})])
-    learn = tiny_learner(cbs=[Recorder()])
+    learn = tiny_learner(Recorder())
     learn.fit_one_cycle(1, 0.1)
     assert 'mom' not in learn.recorder.hps and len(learn.recorder.hps['lr']) == 2  # neither scheduled nor recorded
 
@@ -550,15 +536,15 @@ def test_a_learner_loaded_before_its_first_fit_trains_on_the_gpu(tmp_path):
 @pytest.mark.parametrize('sync_free', [False, True])
 def test_mixed_precision_float16_resumes_with_its_loss_scale(tmp_path, sync_free):
     "A resumed float16 fit goes on with the saved scale, and so takes the same steps as an uninterrupted fit."
+    import teachloop.checkpoint  # noqa: F401  (adds Learner.save_checkpoint)
     from teachloop.callbacks import MixedPrecision
     class OverflowAboveScale(Callback):  # as a loss scale too large for the gradients does
         order = 5  # before MixedPrecision unscales the gradients
         def after_backward(self):
             if self.mixed_precision.scaler.get_scale() > 2. ** 15: next(self.model.parameters()).grad.view(-1)[0] = float('inf')
     def learner():
-        torch.manual_seed(0)
-        return Learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, lr=1e-3, default_cbs=False,
-                       cbs=[MixedPrecision(torch.float16, sync_free=sync_free), OverflowAboveScale()])
+        return digits_learner(MixedPrecision(torch.float16, sync_free=sync_free), OverflowAboveScale(), lr=1e-3,
+                              default_cbs=False)
     whole = learner()
     whole.fit(2)
     assert whole.mixed_precision.skipped == 1 and whole.mixed_precision.scaler.get_scale() == 2. ** 15
@@ -579,16 +565,10 @@ def bn_model():
     return nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1)).double()
 
 
-def double_dls():
-    x, y = regression_2d(n=24)
-    x, y = x.double(), y.double()
-    return DataLoaders([(x[:8], y[:8]), (x[8:16], y[8:16])], [(x[16:], y[16:])])
-
-
 @pytest.mark.numeric
 def test_wd_bn_bias_false_decays_only_the_other_weights():
-    learn = Learner(double_dls(), bn_model(), F.mse_loss, opt_func=partial(SGD, decouple_wd=False), lr=0.1, wd=0.2,
-                    default_cbs=False, wd_bn_bias=False)
+    learn = Learner(tiny_dls(dtype=torch.float64), bn_model(), F.mse_loss, opt_func=partial(SGD, decouple_wd=False), lr=0.1,
+                    wd=0.2, default_cbs=False, wd_bn_bias=False)
     learn.fit(2)
     model = bn_model()
     no_decay = [model[0].bias, model[1].weight, model[1].bias, model[3].bias]
@@ -596,11 +576,11 @@ def test_wd_bn_bias_false_decays_only_the_other_weights():
     opt = torch.optim.SGD([{'params': decay, 'weight_decay': 0.2}, {'params': no_decay, 'weight_decay': 0.}], lr=0.1)
     for _ in range(2):
         model.train()
-        for xb, yb in double_dls().train:
+        for xb, yb in tiny_dls(dtype=torch.float64).train:
             F.mse_loss(model(xb), yb).backward(); opt.step(); opt.zero_grad()
     assert all((a - b).abs().max() <= 1e-12 for a, b in zip(learn.model.parameters(), model.parameters()))
-    decayed_everywhere = Learner(double_dls(), bn_model(), F.mse_loss, opt_func=partial(SGD, decouple_wd=False),
-                                 lr=0.1, wd=0.2, default_cbs=False)
+    decayed_everywhere = Learner(tiny_dls(dtype=torch.float64), bn_model(), F.mse_loss,
+                                 opt_func=partial(SGD, decouple_wd=False), lr=0.1, wd=0.2, default_cbs=False)
     decayed_everywhere.fit(2)
     assert (decayed_everywhere.model[1].weight - learn.model[1].weight).abs().max() > 1e-4
 
@@ -609,8 +589,8 @@ def test_wd_bn_bias_false_decays_only_the_other_weights():
 @pytest.mark.parametrize('fast', [False, True])
 def test_wd_bn_bias_false_with_adam_matches_torch_adamw_with_a_group_without_decay(fast):
     "Decoupled decay, on both of the optimizer's paths: the per-parameter callbacks and the multi-tensor fast path."
-    learn = Learner(double_dls(), bn_model(), F.mse_loss, opt_func=partial(Adam, fast=fast), lr=1e-2, wd=0.1,
-                    default_cbs=False, wd_bn_bias=False)
+    learn = Learner(tiny_dls(dtype=torch.float64), bn_model(), F.mse_loss, opt_func=partial(Adam, fast=fast), lr=1e-2,
+                    wd=0.1, default_cbs=False, wd_bn_bias=False)
     learn.fit(2)
     model = bn_model()
     no_decay = [model[0].bias, model[1].weight, model[1].bias, model[3].bias]
@@ -618,7 +598,7 @@ def test_wd_bn_bias_false_with_adam_matches_torch_adamw_with_a_group_without_dec
                              {'params': no_decay, 'weight_decay': 0.}], lr=1e-2, betas=(0.9, 0.99), eps=1e-5)
     for _ in range(2):
         model.train()
-        for xb, yb in double_dls().train:
+        for xb, yb in tiny_dls(dtype=torch.float64).train:
             F.mse_loss(model(xb), yb).backward(); opt.step(); opt.zero_grad()
     assert all((a - b).abs().max() <= 1e-10 for a, b in zip(learn.model.parameters(), model.parameters()))
 
@@ -626,11 +606,12 @@ def test_wd_bn_bias_false_with_adam_matches_torch_adamw_with_a_group_without_dec
 @pytest.mark.numeric
 def test_wd_bn_bias_false_holds_for_an_optimizer_state_loaded_from_a_learner_that_decayed_everything(tmp_path):
     sgd = partial(SGD, decouple_wd=False)
-    everything = Learner(double_dls(), bn_model(), F.mse_loss, opt_func=sgd, lr=0.1, wd=0.2, default_cbs=False)
+    everything = Learner(tiny_dls(dtype=torch.float64), bn_model(), F.mse_loss, opt_func=sgd, lr=0.1, wd=0.2,
+                         default_cbs=False)
     everything.fit(1)
     everything.save(tmp_path / 'all.pt')
-    learn = Learner(double_dls(), bn_model(), F.mse_loss, opt_func=sgd, lr=0.1, wd=0.2, default_cbs=False,
-                    wd_bn_bias=False)
+    learn = Learner(tiny_dls(dtype=torch.float64), bn_model(), F.mse_loss, opt_func=sgd, lr=0.1, wd=0.2,
+                    default_cbs=False, wd_bn_bias=False)
     learn.load(tmp_path / 'all.pt')
     learn.fit(1)
     model = copy.deepcopy(everything.model)
@@ -638,15 +619,15 @@ def test_wd_bn_bias_false_holds_for_an_optimizer_state_loaded_from_a_learner_tha
     opt = torch.optim.SGD([{'params': [model[0].weight, model[3].weight], 'weight_decay': 0.2},
                            {'params': no_decay, 'weight_decay': 0.}], lr=0.1)
     model.train()
-    for xb, yb in double_dls().train:
+    for xb, yb in tiny_dls(dtype=torch.float64).train:
         F.mse_loss(model(xb), yb).backward(); opt.step(); opt.zero_grad()
     assert all((a - b).abs().max() <= 1e-12 for a, b in zip(learn.model.parameters(), model.parameters()))
 
 
 def test_wd_bn_bias_false_with_a_torch_optimizer_is_refused_before_training():
     from teachloop.interop import OptimWrapper
-    learn = Learner(double_dls(), bn_model(), F.mse_loss, opt_func=partial(OptimWrapper, opt=torch.optim.AdamW),
-                    default_cbs=False, wd_bn_bias=False)
+    learn = Learner(tiny_dls(dtype=torch.float64), bn_model(), F.mse_loss,
+                    opt_func=partial(OptimWrapper, opt=torch.optim.AdamW), default_cbs=False, wd_bn_bias=False)
     before = copy.deepcopy(learn.model.state_dict())
     with pytest.raises(ValueError, match='wd_bn_bias=False.*group of their own'): learn.fit(1)
     assert all(torch.equal(v, learn.model.state_dict()[k]) for k, v in before.items())
@@ -655,7 +636,7 @@ def test_wd_bn_bias_false_with_a_torch_optimizer_is_refused_before_training():
 @pytest.mark.parametrize('train_bn', [True, False])
 def test_train_bn_keeps_normalisation_layers_training_when_frozen(train_bn):
     from teachloop.interop import freeze, unfreeze
-    learn = Learner(double_dls(), bn_model(), F.mse_loss, default_cbs=False, train_bn=train_bn,
+    learn = Learner(tiny_dls(dtype=torch.float64), bn_model(), F.mse_loss, default_cbs=False, train_bn=train_bn,
                     splitter=lambda m: [list(m[:3].parameters()), list(m[3].parameters())])
     freeze(learn)
     model = learn.model
@@ -674,9 +655,8 @@ def test_mixed_precision_takes_a_bad_step_back_without_waiting_exactly_as_skippi
         def after_backward(self):
             if self.train_iter in (0, 2, 3): next(self.model.parameters()).grad.view(-1)[0] = float('inf')
     def fit(sync_free):
-        torch.manual_seed(0)
-        learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, opt_func=opt_func, lr=3e-3, default_cbs=False,
-                        cbs=[MixedPrecision(torch.float16, sync_free=sync_free), InfGradientAt()])
+        learn = digits_learner(MixedPrecision(torch.float16, sync_free=sync_free), InfGradientAt(), opt_func=opt_func,
+                               lr=3e-3, default_cbs=False)
         learn.fit(1)
         return learn
     waiting, deferred = fit(False), fit(True)
@@ -698,7 +678,7 @@ def test_a_cancel_raised_after_its_part_is_an_error_naming_the_event(event, exc)
     if event == 'after_cancel_step':
         cbs.append(Raise('before_step', CancelStepException, iter=1))
         cbs[-1].name = 'cancel_the_step'
-    learn = tiny_learner(cbs)
+    learn = tiny_learner(*cbs)
     with pytest.raises(RuntimeError, match=f"{exc.__name__} raised in `{event}`.*already over"): learn.fit(1)
     assert not learn.model.training and all(p.grad is None or not p.grad.any() for p in learn.model.parameters())
 
@@ -708,11 +688,7 @@ def test_a_background_fit_takes_every_step_whatever_the_main_thread_calls():
     import threading
     from teachloop.dashboard import fit_background
     from teachloop.schedule import fit_one_cycle, lr_find  # noqa: F401  (add the Learner methods)
-    def learner():
-        torch.manual_seed(0)
-        x, y = regression_2d(n=100)
-        dls = DataLoaders([(x[i:i + 4], y[i:i + 4]) for i in range(0, 80, 4)], [(x[80:], y[80:])])
-        return Learner(dls, nn.Linear(2, 1), F.mse_loss, opt_func=SGD, lr=0.01, default_cbs=False, cbs=[Recorder()])
+    def learner(): return tiny_learner(Recorder(), dls=tiny_dls(20, bs=4, valid_bs=20), lr=0.01)
     reference = learner()
     reference.fit(2)
     started, release = threading.Event(), threading.Event()

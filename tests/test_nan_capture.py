@@ -14,6 +14,7 @@ from teachloop.nan_capture import (FiniteCheck, NaNCapture, grads_are_finite, lo
 from teachloop.checkpoint import Checkpoint
 from teachloop.optimizer import SGD, Adam
 from teachloop.optimizers import Lamb
+from teachloop.testing import quiet
 
 
 def per_class_loss(pred, target):
@@ -29,12 +30,6 @@ class Sqrt(nn.Module):
 
 def dropout_sqrt_model():
     return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), nn.Dropout(0.5), Sqrt(), nn.Linear(16, 10))
-
-
-def quiet_learner(dls, model, loss_func, **kwargs):
-    learn = Learner(dls, model, loss_func, **kwargs)
-    learn.progress.show_bar, learn.progress.print_rows = False, False
-    return learn
 
 
 class EventNames(Callback):
@@ -67,8 +62,8 @@ def test_capture_stops_before_the_bad_step_with_the_weights_of_a_plain_loop(tmp_
     model = digits_cnn()
     model.load_state_dict(init.state_dict())
     log = EventNames()
-    learn = quiet_learner(digits_dls(bs=32), model, per_class_loss, opt_func=SGD, lr=0.05,
-                          cbs=[NaNCapture(tmp_path / 'nan.pt'), log])
+    learn = quiet(Learner(digits_dls(bs=32), model, per_class_loss, opt_func=SGD, lr=0.05,
+                          cbs=[NaNCapture(tmp_path / 'nan.pt'), log]))
     learn.fit(2)
     capture = load_capture(tmp_path / 'nan.pt')
     k = capture['train_iter']
@@ -98,8 +93,8 @@ def test_capture_stops_before_the_bad_step_with_the_weights_of_a_plain_loop(tmp_
 def test_replay_reports_the_division_and_its_source_line(tmp_path):
     torch.manual_seed(0)
     dls = digits_dls(bs=32)
-    quiet_learner(dls, digits_cnn(), per_class_loss, cbs=[NaNCapture(tmp_path / 'nan.pt')]).fit(2)
-    fresh = quiet_learner(dls, digits_cnn(), per_class_loss)
+    quiet(Learner(dls, digits_cnn(), per_class_loss, cbs=[NaNCapture(tmp_path / 'nan.pt')])).fit(2)
+    fresh = quiet(Learner(dls, digits_cnn(), per_class_loss))
     report = replay_nan(fresh, tmp_path / 'nan.pt')
     assert report.recurred and report.first_forward is None and report.first_backward == 'DivBackward0'
     assert 'per_class / onehot.sum(0)' in report.source and report.loss == float('inf')
@@ -112,12 +107,12 @@ def test_replay_reports_the_division_and_its_source_line(tmp_path):
 def test_replay_restores_the_dropout_mask_and_finds_sqrt(tmp_path):
     torch.manual_seed(1)
     dls = digits_dls(bs=32)
-    learn = quiet_learner(dls, dropout_sqrt_model(), F.cross_entropy, cbs=[NaNCapture(tmp_path / 'nan.pt')])
+    learn = quiet(Learner(dls, dropout_sqrt_model(), F.cross_entropy, cbs=[NaNCapture(tmp_path / 'nan.pt')]))
     learn.fit(1)
     capture = load_capture(tmp_path / 'nan.pt')
     assert np.isfinite(capture['loss'])
     torch.manual_seed(123)  # the replay must not depend on the current random state
-    report = replay_nan(quiet_learner(dls, dropout_sqrt_model(), F.cross_entropy), tmp_path / 'nan.pt')
+    report = replay_nan(quiet(Learner(dls, dropout_sqrt_model(), F.cross_entropy)), tmp_path / 'nan.pt')
     assert report.recurred and report.loss == capture['loss']
     assert report.first_forward is None and report.first_backward == 'SqrtBackward0' and 'torch.sqrt' in report.source
 
@@ -128,8 +123,8 @@ def test_replay_finds_the_first_module_with_a_non_finite_output(tmp_path):
     def model(): return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.ReLU(), Log(), nn.Linear(16, 10))
     torch.manual_seed(0)
     dls = digits_dls(bs=32)
-    quiet_learner(dls, model(), F.cross_entropy, cbs=[NaNCapture(tmp_path / 'nan.pt')]).fit(1)
-    report = replay_nan(quiet_learner(dls, model(), F.cross_entropy), tmp_path / 'nan.pt')
+    quiet(Learner(dls, model(), F.cross_entropy, cbs=[NaNCapture(tmp_path / 'nan.pt')])).fit(1)
+    report = replay_nan(quiet(Learner(dls, model(), F.cross_entropy)), tmp_path / 'nan.pt')
     assert report.recurred and report.first_forward == '3'
 
 
@@ -145,8 +140,8 @@ class NaNGradientAt(Callback):
 @pytest.mark.parametrize('check_every, captured_at, weights_finite', [(1, 1, True), (3, 3, False)])
 def test_check_every_checks_only_every_kth_step(tmp_path, check_every, captured_at, weights_finite, sync_free):
     torch.manual_seed(0)
-    learn = quiet_learner(digits_dls(bs=32), digits_cnn(), F.cross_entropy,
-                          cbs=[NaNCapture(tmp_path / 'nan.pt', check_every=check_every, sync_free=sync_free), NaNGradientAt(1)])
+    learn = quiet(Learner(digits_dls(bs=32), digits_cnn(), F.cross_entropy,
+                          cbs=[NaNCapture(tmp_path / 'nan.pt', check_every=check_every, sync_free=sync_free), NaNGradientAt(1)]))
     learn.fit(1)
     capture = load_capture(tmp_path / 'nan.pt')
     assert capture['train_iter'] == captured_at and capture['weights_finite'] == weights_finite
@@ -177,8 +172,8 @@ def fit_with_nan_at(tmp_path, name, step, sync_free, cbs=(), valid=True):
     torch.manual_seed(0)
     dls = digits_dls(bs=32)
     if not valid: dls.valid = None
-    learn = quiet_learner(dls, digits_cnn(), F.cross_entropy, opt_func=Adam, lr=1e-3,
-                          cbs=[NaNCapture(tmp_path / name, sync_free=sync_free), NaNGradientAt(step), ValidBatches(), *cbs])
+    learn = quiet(Learner(dls, digits_cnn(), F.cross_entropy, opt_func=Adam, lr=1e-3,
+                          cbs=[NaNCapture(tmp_path / name, sync_free=sync_free), NaNGradientAt(step), ValidBatches(), *cbs]))
     learn.fit(2)
     return learn, load_capture(tmp_path / name)
 
@@ -242,8 +237,8 @@ def test_parameters_of_several_dtypes_are_checked_in_one_go(tmp_path, sync_free)
             self.body, self.extra = nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), nn.Parameter(torch.ones(2, dtype=torch.float64))
         def forward(self, x): return self.body(x) * self.extra.sum().float()
     torch.manual_seed(0)
-    learn = quiet_learner(digits_dls(bs=32), Mixed(), F.cross_entropy,
-                          cbs=[NaNCapture(tmp_path / 'nan.pt', sync_free=sync_free), NaNGradientAt(3)])
+    learn = quiet(Learner(digits_dls(bs=32), Mixed(), F.cross_entropy,
+                          cbs=[NaNCapture(tmp_path / 'nan.pt', sync_free=sync_free), NaNGradientAt(3)]))
     learn.fit(1)
     capture = load_capture(tmp_path / 'nan.pt')
     assert capture['train_iter'] == 3 and capture['bad_params'] == ['extra'] and capture['weights_finite']  # the float64 one
@@ -262,11 +257,11 @@ def test_sync_free_check_never_makes_the_host_wait_on_the_gpu(tmp_path):
         def before_batch(self): self._strict(super().before_batch)
         def before_step(self): self._strict(super().before_step)
     torch.manual_seed(0)
-    learn = quiet_learner(digits_dls(bs=32), dropout_model(), F.cross_entropy, cbs=[Strict(tmp_path / 'nan.pt', check_every=2)])
+    learn = quiet(Learner(digits_dls(bs=32), dropout_model(), F.cross_entropy, cbs=[Strict(tmp_path / 'nan.pt', check_every=2)]))
     learn.fit(2)
     assert learn.nan_capture._async_check is not None and learn.nan_capture.captured is None
-    learn = quiet_learner(digits_dls(bs=32), dropout_model(), F.cross_entropy,
-                          cbs=[NaNCapture(tmp_path / 'nan.pt', check_every=2), NaNGradientAt(4)])
+    learn = quiet(Learner(digits_dls(bs=32), dropout_model(), F.cross_entropy,
+                          cbs=[NaNCapture(tmp_path / 'nan.pt', check_every=2), NaNGradientAt(4)]))
     learn.fit(1)
     assert load_capture(tmp_path / 'nan.pt')['train_iter'] == 4
     assert all(bool(torch.isfinite(p).all()) for p in learn.model.parameters())
@@ -292,8 +287,8 @@ def capture_at_step_3(tmp_path, model, rngs='auto'):
     "Fit with a NaN put into a gradient at training step 3; return the learner and the capture."
     torch.manual_seed(0)
     np.random.seed(0)
-    learn = quiet_learner(digits_dls(bs=32), model, F.cross_entropy,
-                          cbs=[NaNCapture(tmp_path / 'nan.pt', rngs=rngs), NaNGradientAt(3)])
+    learn = quiet(Learner(digits_dls(bs=32), model, F.cross_entropy,
+                          cbs=[NaNCapture(tmp_path / 'nan.pt', rngs=rngs), NaNGradientAt(3)]))
     learn.fit(1)
     return learn, load_capture(tmp_path / 'nan.pt')
 
@@ -317,7 +312,7 @@ def test_replay_of_a_step_drawing_random_numbers_is_exact(tmp_path, model):
     _, capture = capture_at_step_3(tmp_path, model())
     torch.manual_seed(5)
     np.random.seed(5)  # the replay must not depend on the current random states
-    report = replay_nan(quiet_learner(digits_dls(bs=32), model(), F.cross_entropy), tmp_path / 'nan.pt')
+    report = replay_nan(quiet(Learner(digits_dls(bs=32), model(), F.cross_entropy)), tmp_path / 'nan.pt')
     assert report.rng_exact and report.loss == capture['loss'] and not report.recurred  # the NaN was put in, not made
 
 
@@ -325,18 +320,18 @@ def test_replay_reports_a_generator_that_the_first_step_did_not_use(tmp_path):
     "numpy is drawn from the second step on: the first step's test misses it and the replay says so."
     _, capture = capture_at_step_3(tmp_path, numpy_model(first_draw=1))
     assert capture['rng_read_at']['numpy'] == 'end'
-    report = replay_nan(quiet_learner(digits_dls(bs=32), numpy_model(), F.cross_entropy), tmp_path / 'nan.pt')
+    report = replay_nan(quiet(Learner(digits_dls(bs=32), numpy_model(), F.cross_entropy)), tmp_path / 'nan.pt')
     assert not report.rng_exact and report.loss != capture['loss'] and "rngs='every_step'" in str(report)
     _, capture = capture_at_step_3(tmp_path, numpy_model(first_draw=1), rngs='every_step')
-    report = replay_nan(quiet_learner(digits_dls(bs=32), numpy_model(), F.cross_entropy), tmp_path / 'nan.pt')
+    report = replay_nan(quiet(Learner(digits_dls(bs=32), numpy_model(), F.cross_entropy)), tmp_path / 'nan.pt')
     assert report.rng_exact and report.loss == capture['loss']
 
 
 def test_replay_refuses_files_that_do_not_fit(tmp_path):
     torch.manual_seed(0)
     dls = digits_dls(bs=32)
-    quiet_learner(dls, digits_cnn(), per_class_loss, cbs=[NaNCapture(tmp_path / 'nan.pt')]).fit(1)
-    other = quiet_learner(dls, nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), per_class_loss)
+    quiet(Learner(dls, digits_cnn(), per_class_loss, cbs=[NaNCapture(tmp_path / 'nan.pt')])).fit(1)
+    other = quiet(Learner(dls, nn.Sequential(nn.Flatten(), nn.Linear(64, 10)), per_class_loss))
     before = [p.clone() for p in other.model.parameters()]
     with pytest.raises(ValueError, match='do not fit this model'): replay_nan(other, tmp_path / 'nan.pt')
     assert all(torch.equal(a, b) for a, b in zip(before, other.model.parameters())) and other.opt is None
@@ -353,8 +348,8 @@ def test_sync_free_handles_0d_state(tmp_path, opt_func):
     "BatchNorm's step counter and LAMB's trust ratios are 0-d tensors: undoing a bad step must handle them."
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 64, 10))
-    learn = quiet_learner(digits_dls(bs=32), model, F.cross_entropy, opt_func=opt_func,
-                          cbs=[NaNCapture(tmp_path / 'nan.pt', check_every=2, sync_free=True), NaNGradientAt(4)])
+    learn = quiet(Learner(digits_dls(bs=32), model, F.cross_entropy, opt_func=opt_func,
+                          cbs=[NaNCapture(tmp_path / 'nan.pt', check_every=2, sync_free=True), NaNGradientAt(4)]))
     learn.fit(1)
     capture = load_capture(tmp_path / 'nan.pt')
     assert capture['train_iter'] == 4 and capture['weights_finite']
@@ -370,7 +365,7 @@ def test_a_capture_folder_gets_the_rank_of_the_fit_not_of_the_moment_the_callbac
     assert capture.path == str(tmp_path / 'captures' / 'nan-capture.pt')
     dist.init_process_group('gloo', init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
     try:
-        learn = quiet_learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, cbs=[capture, NaNGradientAt(2)])
+        learn = quiet(Learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, cbs=[capture, NaNGradientAt(2)]))
         learn.fit(1)
     finally: dist.destroy_process_group()
     assert sorted(p.name for p in (tmp_path / 'captures').iterdir()) == ['nan-capture-rank0.pt']
@@ -381,7 +376,7 @@ def test_a_capture_path_spoiled_after_the_callback_was_made_is_refused_before_th
     "The folder replaced by a file between making the callback and the fit: refused in before_fit, no step taken."
     capture = NaNCapture(tmp_path / 'captures' / 'nan.pt')
     (tmp_path / 'captures').write_text('not a folder')
-    learn = quiet_learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, cbs=[capture, NaNGradientAt(2)])
+    learn = quiet(Learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, cbs=[capture, NaNGradientAt(2)]))
     before = [p.detach().clone() for p in learn.model.parameters()]
     with pytest.raises(ValueError, match='captures'): learn.fit(1)
     assert learn.train_iter == 0 and all(torch.equal(a, b) for a, b in zip(before, learn.model.parameters()))
@@ -390,8 +385,8 @@ def test_a_capture_path_spoiled_after_the_callback_was_made_is_refused_before_th
 def test_a_replay_on_a_machine_with_fewer_gpus_says_so_in_its_report(tmp_path, monkeypatch):
     "A capture whose states were read with 2 GPUs, replayed with none: the report is not exact and its notes say why."
     torch.manual_seed(0)
-    learn = quiet_learner(digits_dls(bs=32), dropout_sqrt_model(), F.cross_entropy,
-                          cbs=[NaNCapture(tmp_path / 'nan.pt')])
+    learn = quiet(Learner(digits_dls(bs=32), dropout_sqrt_model(), F.cross_entropy,
+                          cbs=[NaNCapture(tmp_path / 'nan.pt')]))
     learn.fit(1)
     capture = load_capture(tmp_path / 'nan.pt')
     capture['rng']['cuda'] = [torch.zeros(16, dtype=torch.uint8)] * 2  # as a machine with two GPUs would have written
@@ -399,7 +394,7 @@ def test_a_replay_on_a_machine_with_fewer_gpus_says_so_in_its_report(tmp_path, m
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 0)
     with pytest.warns(UserWarning, match='read with 2 GPU'):
-        fresh = quiet_learner(digits_dls(bs=32), dropout_sqrt_model(), F.cross_entropy)
+        fresh = quiet(Learner(digits_dls(bs=32), dropout_sqrt_model(), F.cross_entropy))
         report = replay_nan(fresh, tmp_path / 'two-gpus.pt')
     assert report.recurred and not report.rng_exact
     assert any('read with 2 GPU' in note for note in report.notes) and 'read with 2 GPU' in str(report)

@@ -1,14 +1,14 @@
 "Parity of teachloop's callback optimizers with torch.optim, and the checks on their hyper-parameters."
 import copy
-import itertools
 from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from teachloop.data import digits_cnn, digits_dls
+from teachloop.data import digits_cnn
 from teachloop.optimizer import SGD, RMSProp, Adam, Optimizer, sgd_step, spread_hyper
+from teachloop.testing import digits_batches
 
 pytestmark = pytest.mark.numeric
 
@@ -19,10 +19,7 @@ TOL = 1e-10
 
 
 @pytest.fixture(scope='module')
-def batches():
-    "The first 100 training batches of the digits, cycling over epochs."
-    return list(itertools.islice(itertools.chain.from_iterable(itertools.repeat(list(digits_dls(bs=64).train), 10)),
-                                 N_STEPS))
+def batches(): return digits_batches(N_STEPS)
 
 
 def train(model, opt, batches):

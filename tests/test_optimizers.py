@@ -1,6 +1,5 @@
 "The optimizers of notebook 07 against torch.optim or plain-tensor implementations of their papers' updates."
 import copy
-import itertools
 import math
 from functools import partial
 
@@ -8,9 +7,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from teachloop.data import digits_cnn, digits_dls
+from teachloop.data import digits_cnn
 from teachloop.optimizer import SGD, Adam
 from teachloop.optimizers import LARC, LARS, Lamb, Lion, Lookahead, Nesterov, QHAdam, RAdam
+from teachloop.testing import digits_batches
 
 pytestmark = pytest.mark.numeric
 
@@ -18,9 +18,7 @@ N_STEPS = 100
 
 
 @pytest.fixture(scope='module')
-def batches():
-    return list(itertools.islice(itertools.chain.from_iterable(itertools.repeat(list(digits_dls(bs=64).train), 10)),
-                                 N_STEPS))
+def batches(): return digits_batches(N_STEPS)
 
 
 class PaperReference:

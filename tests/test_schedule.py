@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from teachloop.callbacks import smooth_values
-from teachloop.data import DataLoaders, digits_cnn, digits_dls, regression_2d
+from teachloop.data import DataLoaders, regression_2d
 from teachloop.learner import EventLog, Learner
 from teachloop.optimizer import SGD, Adam, Optimizer, sgd_step
 from teachloop.schedule import (LRFinder, ParamScheduler, Stepper, annealing_cos, annealing_exp, annealing_linear,
                                 annealing_no, annealing_poly, combine_scheds, combined_cos, longest_descent, minimum,
                                 one_cycle_scheds, preview_values, schedule_pct, sgdr_epochs, slide, steep,
                                 suggest_lrs, valley)
+from teachloop.testing import digits_learner, quiet, tiny_dls, tiny_learner
 
 PCTS = [0., 0.1, 0.25, 0.5, 0.77, 1.]
 
@@ -84,17 +85,10 @@ def test_combine_scheds_rejects_bad_shares(pcts, match):
 
 # --- ParamScheduler and fit_one_cycle on a tiny problem ---------------------------------------------------------------
 
-def tiny_dls(n_batches, bs=4, valid=True):
-    x, y = regression_2d(n=bs * (n_batches + 2), seed=1)
-    train = [(x[i * bs:(i + 1) * bs], y[i * bs:(i + 1) * bs]) for i in range(n_batches)]
-    return DataLoaders(train, [(x[-2 * bs:], y[-2 * bs:])] if valid else None)
-
-
-def tiny_learner(n_batches, opt_func=Adam, **kwargs):
-    torch.manual_seed(0)
-    learn = Learner(tiny_dls(n_batches), nn.Linear(2, 1), nn.functional.mse_loss, opt_func=opt_func, **kwargs)
-    learn.progress.show_bar = learn.progress.print_rows = False
-    return learn
+# the setting this file's expected values were worked out on: Adam at 1e-3, batches of 4 from data seed 1
+def schedule_learner(n_batches, *cbs, opt_func=Adam, lr=1e-3, **kwargs):
+    return tiny_learner(*cbs, dls=tiny_dls(n_batches, bs=4, seed=1, valid_bs=8), opt_func=opt_func, lr=lr,
+                        default_cbs=True, **kwargs)
 
 
 def one_cycle_reference(i, n_steps, lr_max, div, div_final, pct_start, moms):
@@ -111,7 +105,7 @@ def one_cycle_reference(i, n_steps, lr_max, div, div_final, pct_start, moms):
 @pytest.mark.parametrize('n_epoch, n_batches', [(1, 17), (3, 3)])
 def test_fit_one_cycle_start_peak_end(n_epoch, n_batches):
     lr_max, div, div_final, pct_start = 3e-2, 25., 1e5, 0.25
-    learn = tiny_learner(n_batches)
+    learn = schedule_learner(n_batches)
     learn.fit_one_cycle(n_epoch, lr_max=lr_max)
     lrs, moms = learn.recorder.hps['lr'], learn.recorder.hps['mom']
     n_steps = n_epoch * n_batches
@@ -126,7 +120,7 @@ def test_fit_one_cycle_start_peak_end(n_epoch, n_batches):
 
 
 def test_fit_one_cycle_custom_moms_and_learner_default_lr():
-    learn = tiny_learner(9, lr=1e-2)
+    learn = schedule_learner(9, lr=1e-2)
     learn.fit_one_cycle(1, div=10., div_final=100., pct_start=0.5, moms=(0.9, 0.7, 0.8))
     lrs, moms = learn.recorder.hps['lr'], learn.recorder.hps['mom']
     assert math.isclose(lrs[0], 1e-3) and math.isclose(lrs[4], 1e-2) and math.isclose(lrs[-1], 1e-4)
@@ -134,7 +128,7 @@ def test_fit_one_cycle_custom_moms_and_learner_default_lr():
 
 
 def test_param_scheduler_records_what_it_set_and_matches_preview():
-    learn = tiny_learner(5)
+    learn = schedule_learner(5)
     scheds = {'lr': partial(annealing_cos, 0.1, 0.001), 'sqr_mom': partial(annealing_linear, 0.9, 0.99)}
     scheduler = ParamScheduler(scheds)
     learn.fit(2, cbs=[scheduler])
@@ -145,7 +139,7 @@ def test_param_scheduler_records_what_it_set_and_matches_preview():
 
 def test_one_schedule_per_parameter_group():
     def two_groups(model): return [[model.weight], [model.bias]]
-    learn = tiny_learner(4, opt_func=partial(SGD, mom=0.9), splitter=two_groups)
+    learn = schedule_learner(4, opt_func=partial(SGD, mom=0.9), splitter=two_groups)
     learn.fit_one_cycle(1, lr_max=slice(1e-3, 1e-1))
     assert [h['lr'] for h in learn.opt.hypers] == pytest.approx([1e-3 / 1e5, 1e-1 / 1e5], rel=1e-9)
     scheduler = ParamScheduler(one_cycle_scheds([1e-3, 1e-1]))
@@ -157,7 +151,7 @@ def test_one_schedule_per_parameter_group():
 
 def test_param_scheduler_follows_pct_train():
     "The schedule is a function of the learner's progress only, so a resumed fit continues it."
-    learn = tiny_learner(4)
+    learn = schedule_learner(4)
     scheduler = ParamScheduler({'lr': partial(annealing_linear, 1.0, 0.0)})
     learn.add_cbs([scheduler])
     learn.n_epoch, learn.n_iter = 2, 4
@@ -167,12 +161,12 @@ def test_param_scheduler_follows_pct_train():
 
 
 def test_fit_flat_cos_and_sgdr():
-    learn = tiny_learner(5)
+    learn = schedule_learner(5)
     learn.fit_flat_cos(2, lr=1e-2, pct_start=0.5)
     lrs = learn.recorder.hps['lr']
     assert all(math.isclose(v, 1e-2) for v in lrs[:5]) and math.isclose(lrs[-1], 1e-7) and lrs[6] < 1e-2
     assert sgdr_epochs(3, 1, 2) == [1, 2, 4]
-    learn = tiny_learner(5)
+    learn = schedule_learner(5)
     learn.fit_sgdr(2, 1, lr_max=1e-2, cycle_mult=3)  # cycles of 1 and 3 epochs: 20 batches, restart at 1/4 of the fit
     lrs = learn.recorder.hps['lr']
     restart = next(i for i in range(1, 20) if lrs[i] > lrs[i - 1])
@@ -187,7 +181,7 @@ def test_fit_flat_cos_and_sgdr():
     ({'div': 0}, 'div'), ({'div_final': -1.}, 'div_final'), ({'moms': (0.9, 0.8)}, 'moms'),
     ({'moms': (0.9, 1.2, 0.9)}, 'mom'), ({'lr_max': -1.}, 'lr'), ({'wd': -0.1}, 'wd')])
 def test_fit_one_cycle_rejects_bad_input_before_touching_anything(kwargs, match):
-    learn = tiny_learner(4)
+    learn = schedule_learner(4)
     weights = copy.deepcopy(learn.model.state_dict())
     with pytest.raises(ValueError, match=match): learn.fit_one_cycle(1, **kwargs)
     assert all(torch.equal(v, learn.model.state_dict()[k]) for k, v in weights.items())
@@ -198,16 +192,16 @@ def test_fit_one_cycle_rejects_bad_input_before_touching_anything(kwargs, match)
                                  lambda learn: learn.fit_sgdr(2, 1, lr_max=slice(-1e-3, 1e-2)),
                                  lambda learn: learn.fit_one_cycle(1, lr_max=slice(0., 1e-2))])
 def test_flat_cos_and_sgdr_reject_bad_lrs_without_creating_an_optimizer(fit):
-    learn = tiny_learner(4, splitter=lambda m: [[m.weight], [m.bias]])
+    learn = schedule_learner(4, splitter=lambda m: [[m.weight], [m.bias]])
     with pytest.raises(ValueError, match='lr|both ends'): fit(learn)
     assert learn.opt is None and learn.recorder.losses == []
 
 
 def test_fit_one_cycle_rejects_bad_n_epoch_and_moms_without_momentum():
-    learn = tiny_learner(4)
+    learn = schedule_learner(4)
     with pytest.raises(ValueError, match='n_epoch'): learn.fit_one_cycle(0)
     assert learn.opt is None
-    learn = tiny_learner(4, opt_func=lambda params, lr: Optimizer(params, [sgd_step], lr=lr))
+    learn = schedule_learner(4, opt_func=lambda params, lr: Optimizer(params, [sgd_step], lr=lr))
     with pytest.raises(ValueError, match="reads 'mom'"): learn.fit_one_cycle(1, moms=(0.9, 0.8, 0.9))
     assert learn.recorder.losses == []
     learn.fit_one_cycle(1)  # without `moms`, only the learning rate is scheduled
@@ -215,7 +209,7 @@ def test_fit_one_cycle_rejects_bad_n_epoch_and_moms_without_momentum():
 
 
 def test_unknown_hyper_name_fails_before_any_batch():
-    learn = tiny_learner(4, cbs=[EventLog()])
+    learn = schedule_learner(4, EventLog())
     weights = copy.deepcopy(learn.model.state_dict())
     with pytest.raises(ValueError, match="no hyper-parameter 'moms'.*'mom'"):
         learn.fit(1, cbs=[ParamScheduler({'moms': partial(annealing_no, 0.9, None)})])
@@ -226,7 +220,7 @@ def test_unknown_hyper_name_fails_before_any_batch():
 @pytest.mark.parametrize('sched', [{'moms': partial(annealing_no, 0.9, None)}, {'mom': partial(annealing_no, 0.9, None)}])
 def test_a_refused_schedule_changes_nothing(sched):
     "Misspelt, or read by no callback (SGD without momentum): refused before any event, counter or hyper-parameter changes."
-    learn = tiny_learner(4, opt_func=SGD, cbs=[EventLog()])
+    learn = schedule_learner(4, EventLog(), opt_func=SGD)
     with pytest.raises(ValueError, match="'moms'|reads 'mom'"): learn.fit(1, cbs=[ParamScheduler(sched)])
     assert learn.opt is None  # the optimizer made for the refused fit is dropped again
     learn.fit(2, lr=0.05)
@@ -242,7 +236,7 @@ def test_a_refused_schedule_changes_nothing(sched):
 def test_param_scheduler_rejects_bad_schedules():
     with pytest.raises(TypeError, match='dict'): ParamScheduler([partial(annealing_no, 1., None)])
     with pytest.raises(TypeError, match="'lr'"): ParamScheduler({'lr': 0.1})
-    learn = tiny_learner(4)
+    learn = schedule_learner(4)
     with pytest.raises(ValueError, match='2 schedules'):
         learn.fit(1, cbs=[ParamScheduler({'lr': [partial(annealing_no, 0.1, None)] * 2})])
 
@@ -250,19 +244,12 @@ def test_param_scheduler_rejects_bad_schedules():
 @pytest.mark.parametrize('kwargs, match', [({'start_lr': 0}, 'start_lr'), ({'end_lr': 1e-8}, 'end_lr'),
                                            ({'num_it': 1}, 'num_it'), ({'num_it': 2.5}, 'num_it')])
 def test_lr_find_rejects_bad_input(kwargs, match):
-    learn = tiny_learner(4)
+    learn = schedule_learner(4)
     with pytest.raises(ValueError, match=match): learn.lr_find(show_plot=False, **kwargs)
     assert learn.opt is None
 
 
 # --- lr_find -----------------------------------------------------------------------------------------------------------
-
-def digits_learner(**kwargs):
-    torch.manual_seed(0)
-    learn = Learner(digits_dls(bs=64), digits_cnn(), nn.functional.cross_entropy, **kwargs)
-    learn.progress.show_bar = False
-    return learn
-
 
 def opt_states_equal(a, b):
     if a.keys() != b.keys() or a['param_groups'] != b['param_groups']: return False
@@ -276,7 +263,7 @@ def opt_states_equal(a, b):
 
 
 def test_lr_find_restores_model_and_optimizer_exactly():
-    learn = digits_learner()
+    learn = digits_learner(lr=1e-3)
     learn.fit(1, lr=3e-3)
     weights, opt_state = copy.deepcopy(learn.model.state_dict()), copy.deepcopy(learn.opt.state_dict())
     opt, history = learn.opt, (learn.recorder.values, learn.recorder.losses, learn.recorder.lrs)
@@ -294,7 +281,8 @@ def test_lr_find_restores_model_and_optimizer_exactly():
 
 
 def test_a_checkpoint_written_after_lr_find_continues_the_fit_before_it(tmp_path):
-    learn = digits_learner()
+    import teachloop.checkpoint  # noqa: F401  (adds Learner.save_checkpoint)
+    learn = digits_learner(lr=1e-3)
     learn.fit(2, lr=3e-3)
     learn.save_checkpoint(tmp_path / 'before.pt')
     counters = {name: getattr(learn, name) for name in ('n_epoch', 'epoch', 'iter', 'n_iter', 'train_iter', 'pct_train')}
@@ -307,31 +295,30 @@ def test_a_checkpoint_written_after_lr_find_continues_the_fit_before_it(tmp_path
 
 @pytest.mark.slow
 def test_fit_after_lr_find_equals_fit_without():
-    learn = digits_learner()
+    learn = digits_learner(lr=1e-3)
     learn.lr_find(num_it=30, show_plot=False)
     assert learn.opt is None
     learn.fit(1, lr=3e-3)
-    twin = digits_learner()
+    twin = digits_learner(lr=1e-3)
     twin.fit(1, lr=3e-3)
     assert all(torch.equal(v, twin.model.state_dict()[k]) for k, v in learn.model.state_dict().items())
 
 
 def test_lr_find_runs_no_validation_and_works_without_validation_set():
-    learn = digits_learner(cbs=[EventLog()])
+    learn = digits_learner(EventLog(), lr=1e-3)
     learn.lr_find(num_it=30, show_plot=False)  # 23 batches per epoch: the search spans two epochs
     events = learn.event_log.events
     assert events.count('before_epoch') == 2 and 'before_validate' not in events
     assert learn.dls.valid is not None
     x, y = regression_2d(n=64)
-    learn = Learner(DataLoaders([(x[i:i + 8], y[i:i + 8]) for i in range(0, 64, 8)], None), nn.Linear(2, 1),
-                    nn.functional.mse_loss, opt_func=SGD)
-    learn.progress.show_bar = False
+    learn = quiet(Learner(DataLoaders([(x[i:i + 8], y[i:i + 8]) for i in range(0, 64, 8)], None), nn.Linear(2, 1),
+                          nn.functional.mse_loss, opt_func=SGD))
     learn.lr_find(num_it=20, end_lr=1e-1, show_plot=False)
     assert learn.recorder.lrs == [] and learn.recorder.values == []  # no fit yet: lr_find leaves no history
 
 
 def test_lr_finder_lrs_and_smoothing_without_stopping():
-    learn = tiny_learner(6, opt_func=SGD)
+    learn = schedule_learner(6, opt_func=SGD)
     finder = LRFinder(1e-4, 1e-1, num_it=10, stop_div=False)
     learn.fit(3, cbs=[finder])
     assert len(finder.lrs) == 10 and finder.lrs[0] == 1e-4 and math.isclose(finder.lrs[-1], 1e-1)
@@ -341,7 +328,7 @@ def test_lr_finder_lrs_and_smoothing_without_stopping():
 
 
 def test_lr_finder_stops_when_the_loss_diverges():
-    learn = tiny_learner(50, opt_func=SGD)
+    learn = schedule_learner(50, opt_func=SGD)
     finder = LRFinder(1e-3, 1e3, num_it=50)
     learn.fit(1, cbs=[finder])
     n = len(finder.losses)
@@ -376,7 +363,7 @@ def test_suggestion_rules_on_a_known_curve():
 
 
 def test_lr_find_plot_marks_every_suggestion():
-    learn = digits_learner()
+    learn = digits_learner(lr=1e-3)
     plt.close('all')
     suggestions = learn.lr_find(num_it=30)
     labels = [line.get_label() for line in plt.gca().get_lines()]
@@ -390,7 +377,7 @@ def test_lr_find_plot_marks_every_suggestion():
 def test_param_scheduler_with_optim_wrapper():
     from teachloop.interop import OptimWrapper
     def opt_func(params, lr): return OptimWrapper(params, torch.optim.SGD, lr=lr, momentum=0.9)
-    learn = tiny_learner(9, opt_func=opt_func)
+    learn = schedule_learner(9, opt_func=opt_func)
     learn.fit_one_cycle(1, lr_max=0.05)
     lrs, moms = learn.recorder.hps['lr'], learn.recorder.hps['mom']
     assert math.isclose(lrs[0], 0.05 / 25) and math.isclose(lrs[2], 0.05) and math.isclose(lrs[-1], 0.05 / 1e5)

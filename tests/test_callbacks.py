@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from teachloop.callbacks import Recorder, hypers_read
+from teachloop.callbacks import Recorder, hypers_read, smooth_values, smoothing_window
 from teachloop.interop import OptimWrapper
 from teachloop.optimizer import SGD, Adam
-from teachloop.testing import tiny_learner
+from teachloop.testing import digits_learner, tiny_learner
 
 
 def fitted(opt_func):
@@ -36,6 +36,20 @@ def test_recorder_records_every_hyper_of_a_torch_optimizer():
     learn = fitted(lambda params, lr: OptimWrapper(params, opt=torch.optim.SGD, lr=lr))
     assert 'mom' in learn.recorder.hps and learn.recorder.hps['lr'] == [0.1, 0.1]
 
+
+
+def test_plot_loss_saves_its_figure_and_smooths_by_the_fits_length(tmp_path):
+    "A script sees nothing of a pyplot figure: `path` writes it. 69 batches are averaged over 2, not the 50 of beta 0.98."
+    learn = digits_learner()
+    learn.fit(3)
+    ax = learn.recorder.plot_loss(path=tmp_path / 'loss.png')
+    assert (tmp_path / 'loss.png').read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'
+    losses = learn.recorder.losses
+    window = smoothing_window(len(losses))
+    assert len(losses) == 69 and window == 2
+    drawn = ax.get_lines()[1].get_ydata()
+    assert list(drawn) == smooth_values(losses, 1 - 1 / window) and '~2 batches' in ax.get_lines()[1].get_label()
+    plt.close('all')
 
 @pytest.mark.cuda
 @pytest.mark.parametrize('make', [lambda params: torch.optim.Adam(params), lambda params: torch.optim.Adam(params, fused=True),

@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 NBDEV_FLAGS ?=
 NB_WORKERS ?= 2
 
-.PHONY: demo test test-quick gpu-check lab export readme clean-venv browser-deps
+.PHONY: demo test test-quick gpu-check lab export readme clean-venv browser-deps docs
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -46,6 +46,13 @@ export: $(STAMP)
 ## README.md is the home page notebook, converted (nbdev's own README step needs Quarto).
 readme: $(STAMP)
 	$(BIN)/jupyter nbconvert --to markdown nbs/index.ipynb --stdout 2>/dev/null > README.md
+
+## The course as a static site in _site/ (Sphinx, myst-nb): every notebook runs in a kernel, cached, so it runs again
+## only when its code or the package changed; a cell that raises fails the build; cells nbdev-test skips are not run.
+## npm fetches the widget manager and MathJax once: the pages need no network.
+docs: $(STAMP)
+	$(BIN)/python docs/prepare.py
+	OMP_NUM_THREADS=1 $(BIN)/sphinx-build -q -T -j $(NB_WORKERS) -b html -c docs -d docs/_build/doctrees docs/_build/src _site
 
 ## Chromium for the browser tests (Debian package; Playwright cannot download browsers here).
 browser-deps:

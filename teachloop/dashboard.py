@@ -21,7 +21,7 @@ from .dashboard_buffers import BoundedSeries, DeviceBuffer, RunningSmoother, dow
 from .dashboard_controls import FitControls, FitHandle, SteeringCallback, fit_background
 from .dashboard_plot import DashboardPlot
 from .dashboard_widget import DashboardWidget, LiveDisplay
-from .effective_lr import UpdateRatio, effective_lr_stats
+from .effective_lr import UpdateRatio, effective_lr_stats, layer_label, layer_name
 
 # %% auto #0
 __all__ = ['TrainingDashboard']
@@ -80,6 +80,8 @@ def before_fit(self:TrainingDashboard):
     self.series = {'loss': series(), 'smooth': series(), 'valid': series()}
     self.hyper_series = {(n, g): series() for n in self._hyper_names for g in range(len(self.opt.param_groups))}
     self.layer_names, self.effective_lr, self.ratio_series = [], None, {}
+    layers = {layer_name(name) for name, _ in self.model.named_parameters()}
+    self.layer_labels = {layer: layer_label(self.model, layer) for layer in layers}
     self.epoch_ends, self._smoother = [], RunningSmoother()
     self._update_ratio, self._measure_next_step, self._ratio_pending = None, True, None
     self._last_loss = self.learn.loss  # the last fit's: a batch still showing it was cancelled before its loss
@@ -105,7 +107,6 @@ def frames(self:TrainingDashboard):
     "Frames drawn live in the current (or last) fit."
     display = self._display or self._last_display
     return display.frames if display is not None else 0
-
 
 # %% ../nbs/11_dashboard.ipynb #c046
 @patch
@@ -200,8 +201,8 @@ def snapshot(self:TrainingDashboard) -> dict:
             'epochs': _every_nth(list(self.epoch_ends), 25),
             'changes': [(step, f"{name}={value:.3g}") for step, name, value in _every_nth(self.changes, 50)],
             'hypers': {key: copy(s) for key, s in self.hyper_series.items()},
-            'layers': list(self.layer_names), 'effective_lr': self.effective_lr,
-            'ratios': {name: copy(s) for name, s in self.ratio_series.items() if len(s)},
+            'layers': [self.layer_labels[name] for name in self.layer_names], 'effective_lr': self.effective_lr,
+            'ratios': {self.layer_labels[name]: copy(s) for name, s in self.ratio_series.items() if len(s)},
             'status': self.last_status}
 
 @patch
@@ -215,7 +216,6 @@ def status(self:TrainingDashboard) -> str:
     return (f"epoch {self.epoch + 1}/{self.n_epoch} · batch {self.iter + 1}/{self.n_iter} ({phase}) · "
             f"{self.samples / max(elapsed, 1e-9):,.0f} samples/s · {device} · "
             f"elapsed {_clock(elapsed)} · remaining {_clock(max(remaining, 0))}")
-
 
 # %% ../nbs/11_dashboard.ipynb #c052
 @patch
@@ -231,19 +231,31 @@ def cleanup_fit(self:TrainingDashboard):
 @patch
 def _close_display(self:TrainingDashboard):
     if self._display is None: return self._show_final()
-    self._display.close(wait=False)  # the fit need not wait for its last frame
-    self._last_display, self._display = self._display, None
+    display, self._last_display, self._display = self._display, self._display, None
+    display.close(wait=self.save_path is not None)  # without a file to write, the fit need not wait for its last frame
     self.widget.end_fit()
+    if self.save_path is not None: self._save_last_frame(display)
+
+@patch
+def _final_plot(self:TrainingDashboard):
+    "The figure of the fit's last values, drawn in this thread."
+    if self.plot is None: self.plot = DashboardPlot()
+    return self.plot.update(self.snapshot())
+
+@patch
+def _save_last_frame(self:TrainingDashboard, display):
+    "Save the live display's last frame in `save_path`; a figure drawn here if the display thread has not finished."
+    finished = display.done and display.plot is not None
+    (display.plot if finished else self._final_plot()).figure.savefig(self.save_path)
 
 @patch
 def _show_final(self:TrainingDashboard):
     "Draw the final figure once, if someone will see it: under IPython, or in the file `save_path`."
     shell = _ipython_shell()
     if shell is None and self.save_path is None: return
-    if self.plot is None: self.plot = DashboardPlot()
-    self.plot.update(self.snapshot())
-    if self.save_path is not None: self.plot.figure.savefig(self.save_path)
+    plot = self._final_plot()
+    if self.save_path is not None: plot.figure.savefig(self.save_path)
     if shell is not None:
         from IPython.display import Image, display
-        display(Image(self.plot.png()))
+        display(Image(plot.png()))
 

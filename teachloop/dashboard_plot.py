@@ -31,12 +31,17 @@ def _rescale(ax):
 
 class DashboardPlot:
     "The dashboard's four panels, drawn with matplotlib's object API and updated in place."
-    def __init__(self, figsize=(10, 6.2), dpi=72):
+    def __init__(self, figsize=(10, 6.6), dpi=72):
         self.figure = Figure(figsize=figsize, dpi=dpi)
         FigureCanvasAgg(self.figure)
-        self.ax_loss, self.ax_hyper, self.ax_elr, self.ax_ratio = self.figure.subplots(2, 2).flat
-        self.ax_mom = self.ax_hyper.twinx()
-        self.figure.subplots_adjust(left=0.07, right=0.93, top=0.95, bottom=0.09, hspace=0.35, wspace=0.3)
+        grid = self.figure.add_gridspec(2, 2, left=0.07, right=0.97, top=0.95, bottom=0.09, hspace=0.35, wspace=0.25)
+        self.ax_loss, self.ax_elr = self.figure.add_subplot(grid[0, 0]), self.figure.add_subplot(grid[1, 0])
+        # the batches of the whole fit, where a few update ratios, measured at ticks only, would span a few batches
+        self.ax_ratio = self.figure.add_subplot(grid[1, 1], sharex=self.ax_loss)
+        # Axes of their own: twin axes put a constant lr and a constant momentum at the same height, one over the other
+        hyper_grid = grid[0, 1].subgridspec(2, 1, hspace=0.1)
+        self.ax_hyper = self.figure.add_subplot(hyper_grid[0])
+        self.ax_mom = self.figure.add_subplot(hyper_grid[1], sharex=self.ax_hyper)
         self.lines, self._legend_keys, self._texts = {}, {}, []
         self._epoch_marks = self.ax_loss.add_collection(LineCollection([], colors='0.6', linestyles=':', lw=0.8))
         self._change_marks = self.ax_loss.add_collection(LineCollection([], colors='C3', lw=1))
@@ -46,7 +51,9 @@ class DashboardPlot:
             ax.set_yscale('log')
             ax.yaxis.set_minor_locator(NullLocator())  # labelled minor ticks would be most of the drawing time
         self.ax_loss.set(title='loss', xlabel='training batch')
-        self.ax_hyper.set(title='lr (left, log) and momentum (right)', xlabel='training batch')
+        self.ax_hyper.set(title='lr (log) and momentum', ylabel='lr')
+        self.ax_hyper.tick_params(labelbottom=False)
+        self.ax_mom.set(xlabel='training batch', ylabel='mom / β1')
         self.ax_elr.set(title='effective lr per layer (5-50-95%)')
         self.ax_ratio.set(title='update / weight per layer', xlabel='training batch')
 
@@ -92,13 +99,14 @@ def _plot_effective_lr(self:DashboardPlot, snap):
 @patch
 def _plot_ratios(self:DashboardPlot, snap):
     for i, (name, (x, y)) in enumerate(snap['ratios'].items()):
-        _set_line(self.lines, self.ax_ratio, ('ratio', name), x, y, color=f'C{i % 10}', lw=1, label=name)
+        _set_line(self.lines, self.ax_ratio, ('ratio', name), x, y, color=f'C{i % 10}', lw=1, marker='.', ms=4,
+                  label=name)
     _rescale(self.ax_ratio)
 
 @patch
 def _refresh_legends(self:DashboardPlot):
-    for ax in (self.ax_loss, self.ax_hyper, self.ax_ratio):
-        handles = [h for a in ((ax, self.ax_mom) if ax is self.ax_hyper else (ax,)) for h in a.get_lines() if h.get_label()[0] != '_']
+    for ax in (self.ax_loss, self.ax_hyper, self.ax_ratio):  # a group's momentum has the colour of its lr
+        handles = [h for h in ax.get_lines() if h.get_label()[0] != '_']
         keys = tuple(h.get_label() for h in handles)
         if keys and self._legend_keys.get(ax) != keys:
             ax.legend(handles=handles, fontsize=7, loc='upper right')

@@ -131,6 +131,9 @@ class LiveDisplay:
 
     def join(self, timeout=10): self._thread.join(timeout)
 
+    @property
+    def done(self): return not self._thread.is_alive()
+
     def _run(self):
         while True:
             with self._wake:

@@ -17,7 +17,8 @@ from .optimizers import (keep_slow_weights, lamb_step, lars_scale_grad, lion_ste
                                   nesterov_step, qhadam_step, radam_step, rectification)
 
 # %% auto #0
-__all__ = ['torch_effective_lr', 'effective_lrs', 'layer_name', 'effective_lr_stats', 'UpdateRatio', 'EffectiveLRTracker']
+__all__ = ['torch_effective_lr', 'effective_lrs', 'layer_name', 'layer_label', 'effective_lr_stats', 'UpdateRatio',
+           'EffectiveLRTracker']
 
 # %% ../nbs/10_effective_lr.ipynb #c004
 def _constant_lr(p, state, lr, **hypers): return torch.full_like(p, lr)
@@ -96,6 +97,15 @@ def effective_lrs(opt, model=None):
 def layer_name(param_name):
     "The module a parameter belongs to: its name without the last part."
     return param_name.rsplit('.', 1)[0] if '.' in param_name else param_name
+
+def layer_label(model, name):
+    "The layer `name` (a module's path in `model`, e.g. '1.0') as a reader knows it: '1.0 Conv2d 16→32'."
+    try: module = model.get_submodule(name)
+    except AttributeError: return name  # not a module: a parameter of `model` itself
+    inputs = getattr(module, 'in_features', getattr(module, 'in_channels', None))
+    outputs = getattr(module, 'out_features', getattr(module, 'out_channels', None))
+    sizes = f" {inputs}→{outputs}" if inputs is not None and outputs is not None else ''
+    return f"{name} {type(module).__name__}{sizes}"
 
 def _quantiles(values, quantiles):
     "The `quantiles` of `values`, interpolated linearly between sorted values, computed where `values` are."

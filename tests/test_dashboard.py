@@ -263,6 +263,29 @@ def test_dashboard_series_match_the_recorder(tmp_path):
     assert (tmp_path / 'final.png').read_bytes()[:4] == b'\x89PNG'
 
 
+def test_the_figure_names_layers_by_label_and_the_results_by_path():
+    learn = digits_learner()
+    dashboard = TrainingDashboard(refresh=0.)
+    learn.fit(1, cbs=[dashboard])
+    snapshot = dashboard.snapshot()  # after the fit too: the labels were found at its start
+    labels = ['0.0 Conv2d 1→16', '1.0 Conv2d 16→32', '2.0 Conv2d 32→64', '5 Linear 64→10']
+    assert snapshot['layers'] == labels and list(snapshot['ratios']) == labels
+    assert dashboard.layer_names == list(dashboard.ratio_series) == ['0.0', '1.0', '2.0', '5']
+
+
+def test_a_live_dashboard_has_saved_its_last_frame_when_the_fit_returns(tmp_path):
+    "Live (in a Jupyter kernel) the display thread draws the frames; `save_path` must not wait for `wait_drawn()`."
+    pytest.importorskip('ipywidgets')
+    path = tmp_path / 'live.png'
+    learn = digits_learner(metrics=[])
+    dashboard = TrainingDashboard(refresh=0., live=True, save_path=path)
+    learn.fit(1, cbs=[dashboard])
+    assert path.read_bytes()[:4] == b'\x89PNG' and dashboard.frames >= 1
+    path.unlink()
+    fit_background(learn, 1, cbs=[dashboard]).wait(timeout=120)
+    assert path.read_bytes()[:4] == b'\x89PNG'
+
+
 def test_dashboard_memory_is_bounded_over_many_batches():
     x, y = regression_2d(n=64)
     batches = [(x[i:i + 2], y[i:i + 2]) for i in range(0, 64, 2)]

@@ -1,4 +1,5 @@
 import os
+import signal
 
 import pytest
 import torch
@@ -30,3 +31,15 @@ def cpu_unless_marked_cuda(request, monkeypatch):
     monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '')
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
 
+
+
+@pytest.fixture(autouse=True)
+def ctrl_c_raises_keyboard_interrupt():
+    """Each test starts with Python's own Ctrl-C handler, as in a terminal or a notebook.
+
+    A run started in the background of a non-interactive shell inherits SIGINT ignored, and the learner rightly keeps
+    an ignored Ctrl-C ignored; the tests of what a Ctrl-C does need the handler a user has.
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)

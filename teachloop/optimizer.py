@@ -14,10 +14,71 @@ import torch
 
 # %% auto #0
 __all__ = ['AT_LEAST_0', 'ABOVE_0', 'IN_0_1', 'MISSING', 'OPTIMIZER_CALLBACKS', 'FAST_STEP_PLANNERS', 'PER_PARAMETER_SETTINGS',
-           'CallbackFacts', 'callback_function', 'declare_callback', 'callback_facts', 'check_hyper', 'spread_hyper',
-           'check_state_dict_fits', 'add_fast_step_planner', 'find_fast_step', 'torch_momentum_name', 'HyperGroup',
-           'Optimizer', 'sgd_step', 'weight_decay', 'l2_reg', 'average_grad', 'momentum_step', 'average_sqr_grad',
-           'rms_prop_step', 'step_stat', 'debias', 'adam_step', 'SGD', 'RMSProp', 'Adam', 'run_steps']
+           'sgd_step', 'weight_decay', 'l2_reg', 'average_grad', 'momentum_step', 'average_sqr_grad', 'rms_prop_step',
+           'step_stat', 'debias', 'adam_step', 'CallbackFacts', 'callback_function', 'declare_callback',
+           'callback_facts', 'check_hyper', 'spread_hyper', 'check_state_dict_fits', 'add_fast_step_planner',
+           'find_fast_step', 'torch_momentum_name', 'HyperGroup', 'Optimizer', 'SGD', 'RMSProp', 'Adam', 'run_steps']
+
+# %% ../nbs/01_optimizer.ipynb #c018
+def sgd_step(p, lr, **kwargs):
+    "Plain gradient descent: move `p` by `-lr` times its gradient."
+    p.add_(p.grad, alpha=-lr)
+
+# %% ../nbs/01_optimizer.ipynb #c025
+def weight_decay(p, lr, wd, do_wd=True, **kwargs):
+    "Decoupled weight decay: shrink `p` by the factor `1 - lr*wd`."
+    if do_wd and wd != 0: p.mul_(1 - lr * wd)
+weight_decay.defaults = dict(wd=0.)
+
+def l2_reg(p, wd, do_wd=True, **kwargs):
+    "L2 regularization: add `wd * p` to the gradient of `p`."
+    if do_wd and wd != 0: p.grad.add_(p, alpha=wd)
+l2_reg.defaults = dict(wd=0.)
+
+# %% ../nbs/01_optimizer.ipynb #c029
+def average_grad(p, mom, dampening=False, grad_avg=None, **kwargs):
+    "Keep a running average of the gradients in `grad_avg` (dampened: weights `1 - mom` on the new gradient)."
+    if grad_avg is None: grad_avg = torch.zeros_like(p.grad)
+    # the dampened average written as a lerp, as torch.optim does: the same rounding, so parity can be checked to 1e-6
+    if dampening: grad_avg.lerp_(p.grad, 1 - mom)
+    else: grad_avg.mul_(mom).add_(p.grad)
+    return {'grad_avg': grad_avg}
+average_grad.defaults = dict(mom=0.9)
+
+def momentum_step(p, lr, grad_avg, **kwargs):
+    "Move `p` by `-lr` times the average gradient."
+    p.add_(grad_avg, alpha=-lr)
+
+# %% ../nbs/01_optimizer.ipynb #c033
+def average_sqr_grad(p, sqr_mom, dampening=True, sqr_avg=None, **kwargs):
+    "Keep a running average of the squared gradients in `sqr_avg`."
+    if sqr_avg is None: sqr_avg = torch.zeros_like(p.grad)
+    sqr_avg.mul_(sqr_mom).addcmul_(p.grad, p.grad, value=1 - sqr_mom if dampening else 1.)
+    return {'sqr_avg': sqr_avg}
+average_sqr_grad.defaults = dict(sqr_mom=0.99)
+
+def rms_prop_step(p, lr, sqr_avg, eps, grad_avg=None, **kwargs):
+    "Move `p` by `-lr` times the gradient (or its average) divided by the root of `sqr_avg` plus `eps`."
+    direction = p.grad if grad_avg is None else grad_avg
+    p.addcdiv_(direction, sqr_avg.sqrt().add_(eps), value=-lr)
+rms_prop_step.defaults = dict(eps=1e-8)
+
+# %% ../nbs/01_optimizer.ipynb #c038
+def step_stat(p, step=0, **kwargs):
+    "Count the steps taken for `p` in its state under `step`."
+    return {'step': step + 1}
+
+def debias(mom, damp, step):
+    "Sum of the weights of a running average with factor `mom` and new-value weight `damp` after `step` steps."
+    return damp * (1 - mom ** step) / (1 - mom)
+
+def adam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, **kwargs):
+    "Adam's update: the debiased average gradient over the root of the debiased average squared gradient."
+    debias1 = debias(mom, 1 - mom, step)
+    debias2 = debias(sqr_mom, 1 - sqr_mom, step)
+    denom = (sqr_avg.sqrt() / math.sqrt(debias2)).add_(eps)
+    p.addcdiv_(grad_avg, denom, value=-lr / debias1)
+adam_step.defaults = dict(eps=1e-5)
 
 # %% ../nbs/01_optimizer.ipynb #c004
 AT_LEAST_0 = (lambda v: v >= 0, "must be >= 0")
@@ -72,6 +133,17 @@ def check_hyper(name, value):
     if not ok(value): raise ValueError(f"hyper-parameter {name!r} {rule}, got {value}")
 
 
+# %% ../nbs/01_optimizer.ipynb #o05
+declare_callback(sgd_step, hypers={'lr': AT_LEAST_0})
+declare_callback(weight_decay, hypers={'lr': AT_LEAST_0, 'wd': AT_LEAST_0})
+declare_callback(l2_reg, hypers={'wd': AT_LEAST_0})
+declare_callback(average_grad, hypers={'mom': IN_0_1})
+declare_callback(momentum_step, hypers={'lr': AT_LEAST_0})
+declare_callback(average_sqr_grad, hypers={'sqr_mom': IN_0_1})
+declare_callback(rms_prop_step, hypers={'lr': AT_LEAST_0, 'eps': ABOVE_0})
+declare_callback(step_stat, hypers={})
+declare_callback(adam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0})
+
 # %% ../nbs/01_optimizer.ipynb #c007
 def spread_hyper(value, n_groups):
     "One value per group from a number, a list of `n_groups` values, or a `slice` spread across groups."
@@ -89,49 +161,6 @@ def spread_hyper(value, n_groups):
             raise ValueError(f"got {len(value)} values for {n_groups} parameter groups; pass one value per group")
         return list(value)
     return [value] * n_groups
-
-# %% ../nbs/01_optimizer.ipynb #c011
-def _callback_defaults(cb):
-    "The `defaults` dict of an optimizer callback, looking through `functools.partial`."
-    while not hasattr(cb, 'defaults') and isinstance(cb, partial): cb = cb.func
-    return getattr(cb, 'defaults', {})
-
-def _callback_name(cb):
-    while isinstance(cb, partial): cb = cb.func
-    return getattr(cb, '__name__', type(cb).__name__)
-
-def _as_param_groups(params):
-    "Parameter groups as torch expects them, from tensors, lists of tensors or dicts (whose 'params' may be generators)."
-    if isinstance(params, torch.Tensor):  # iterating it would give its rows, which are not parameters
-        raise TypeError(f"params must be an iterable of tensors or dicts, got a single tensor of shape "
-                        f"{tuple(params.shape)}; pass `[tensor]`")
-    params = list(params)
-    if not params: raise ValueError("the optimizer got no parameters; pass e.g. `model.parameters()` of a model that has some")
-    if isinstance(params[0], dict): return [{**group, 'params': _tensor_list(group['params'])} for group in params]
-    if isinstance(params[0], (list, tuple)): return [{'params': list(group)} for group in params]
-    return [{'params': params}]
-
-def _tensor_list(params):
-    "A group's parameters as a list: one tensor, or any iterable of them (a generator is read once, here)."
-    return [params] if isinstance(params, torch.Tensor) else list(params)
-
-def _check_real(groups):
-    for group in groups:
-        for p in group['params']:
-            if torch.is_tensor(p) and p.is_complex():
-                raise TypeError(f"a parameter of shape {tuple(p.shape)} is complex ({p.dtype}); teachloop's callbacks "
-                                "square gradients as real numbers. Train `torch.view_as_real(p)` as a real parameter, "
-                                "or use a torch.optim optimizer")
-
-def _check_no_duplicates(groups):
-    seen = set()
-    for group in groups:
-        group_params = group['params'] if isinstance(group['params'], (list, tuple)) else list(group['params'])
-        for p in group_params:
-            if id(p) in seen:
-                raise ValueError(f"a parameter of shape {tuple(p.shape)} is given to the optimizer twice; "
-                                 "each parameter must appear in exactly one group")
-            seen.add(id(p))
 
 # %% ../nbs/01_optimizer.ipynb #c013
 def check_state_dict_fits(opt, state_dict):
@@ -208,6 +237,49 @@ class HyperGroup(dict):
         if 'mom' not in self or (self.alias == 'betas' and 'sqr_mom' not in self): return  # still being filled
         value = (self['mom'], self['sqr_mom']) if self.alias == 'betas' else self['mom']
         super().__setitem__(self.alias, value)
+
+# %% ../nbs/01_optimizer.ipynb #c011
+def _callback_defaults(cb):
+    "The `defaults` dict of an optimizer callback, looking through `functools.partial`."
+    while not hasattr(cb, 'defaults') and isinstance(cb, partial): cb = cb.func
+    return getattr(cb, 'defaults', {})
+
+def _callback_name(cb):
+    while isinstance(cb, partial): cb = cb.func
+    return getattr(cb, '__name__', type(cb).__name__)
+
+def _as_param_groups(params):
+    "Parameter groups as torch expects them, from tensors, lists of tensors or dicts (whose 'params' may be generators)."
+    if isinstance(params, torch.Tensor):  # iterating it would give its rows, which are not parameters
+        raise TypeError(f"params must be an iterable of tensors or dicts, got a single tensor of shape "
+                        f"{tuple(params.shape)}; pass `[tensor]`")
+    params = list(params)
+    if not params: raise ValueError("the optimizer got no parameters; pass e.g. `model.parameters()` of a model that has some")
+    if isinstance(params[0], dict): return [{**group, 'params': _tensor_list(group['params'])} for group in params]
+    if isinstance(params[0], (list, tuple)): return [{'params': list(group)} for group in params]
+    return [{'params': params}]
+
+def _tensor_list(params):
+    "A group's parameters as a list: one tensor, or any iterable of them (a generator is read once, here)."
+    return [params] if isinstance(params, torch.Tensor) else list(params)
+
+def _check_real(groups):
+    for group in groups:
+        for p in group['params']:
+            if torch.is_tensor(p) and p.is_complex():
+                raise TypeError(f"a parameter of shape {tuple(p.shape)} is complex ({p.dtype}); teachloop's callbacks "
+                                "square gradients as real numbers. Train `torch.view_as_real(p)` as a real parameter, "
+                                "or use a torch.optim optimizer")
+
+def _check_no_duplicates(groups):
+    seen = set()
+    for group in groups:
+        group_params = group['params'] if isinstance(group['params'], (list, tuple)) else list(group['params'])
+        for p in group_params:
+            if id(p) in seen:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is given to the optimizer twice; "
+                                 "each parameter must appear in exactly one group")
+            seen.add(id(p))
 
 # %% ../nbs/01_optimizer.ipynb #c016
 class Optimizer(torch.optim.Optimizer):
@@ -306,81 +378,6 @@ class Optimizer(torch.optim.Optimizer):
     def __repr__(self):
         cbs = ', '.join(_callback_name(cb) for cb in self.cbs)
         return f"{type(self).__name__}(cbs=[{cbs}], groups={len(self.param_groups)}, hypers={self.hypers})"
-
-# %% ../nbs/01_optimizer.ipynb #c018
-def sgd_step(p, lr, **kwargs):
-    "Plain gradient descent: move `p` by `-lr` times its gradient."
-    p.add_(p.grad, alpha=-lr)
-
-declare_callback(sgd_step, hypers={'lr': AT_LEAST_0})
-
-# %% ../nbs/01_optimizer.ipynb #c025
-def weight_decay(p, lr, wd, do_wd=True, **kwargs):
-    "Decoupled weight decay: shrink `p` by the factor `1 - lr*wd`."
-    if do_wd and wd != 0: p.mul_(1 - lr * wd)
-weight_decay.defaults = dict(wd=0.)
-
-def l2_reg(p, wd, do_wd=True, **kwargs):
-    "L2 regularization: add `wd * p` to the gradient of `p`."
-    if do_wd and wd != 0: p.grad.add_(p, alpha=wd)
-l2_reg.defaults = dict(wd=0.)
-
-declare_callback(weight_decay, hypers={'lr': AT_LEAST_0, 'wd': AT_LEAST_0})
-declare_callback(l2_reg, hypers={'wd': AT_LEAST_0})
-
-# %% ../nbs/01_optimizer.ipynb #c029
-def average_grad(p, mom, dampening=False, grad_avg=None, **kwargs):
-    "Keep a running average of the gradients in `grad_avg` (dampened: weights `1 - mom` on the new gradient)."
-    if grad_avg is None: grad_avg = torch.zeros_like(p.grad)
-    # the dampened average written as a lerp, as torch.optim does: the same rounding, so parity can be checked to 1e-6
-    if dampening: grad_avg.lerp_(p.grad, 1 - mom)
-    else: grad_avg.mul_(mom).add_(p.grad)
-    return {'grad_avg': grad_avg}
-average_grad.defaults = dict(mom=0.9)
-
-def momentum_step(p, lr, grad_avg, **kwargs):
-    "Move `p` by `-lr` times the average gradient."
-    p.add_(grad_avg, alpha=-lr)
-
-declare_callback(average_grad, hypers={'mom': IN_0_1})
-declare_callback(momentum_step, hypers={'lr': AT_LEAST_0})
-
-# %% ../nbs/01_optimizer.ipynb #c033
-def average_sqr_grad(p, sqr_mom, dampening=True, sqr_avg=None, **kwargs):
-    "Keep a running average of the squared gradients in `sqr_avg`."
-    if sqr_avg is None: sqr_avg = torch.zeros_like(p.grad)
-    sqr_avg.mul_(sqr_mom).addcmul_(p.grad, p.grad, value=1 - sqr_mom if dampening else 1.)
-    return {'sqr_avg': sqr_avg}
-average_sqr_grad.defaults = dict(sqr_mom=0.99)
-
-def rms_prop_step(p, lr, sqr_avg, eps, grad_avg=None, **kwargs):
-    "Move `p` by `-lr` times the gradient (or its average) divided by the root of `sqr_avg` plus `eps`."
-    direction = p.grad if grad_avg is None else grad_avg
-    p.addcdiv_(direction, sqr_avg.sqrt().add_(eps), value=-lr)
-rms_prop_step.defaults = dict(eps=1e-8)
-
-declare_callback(average_sqr_grad, hypers={'sqr_mom': IN_0_1})
-declare_callback(rms_prop_step, hypers={'lr': AT_LEAST_0, 'eps': ABOVE_0})
-
-# %% ../nbs/01_optimizer.ipynb #c038
-def step_stat(p, step=0, **kwargs):
-    "Count the steps taken for `p` in its state under `step`."
-    return {'step': step + 1}
-
-def debias(mom, damp, step):
-    "Sum of the weights of a running average with factor `mom` and new-value weight `damp` after `step` steps."
-    return damp * (1 - mom ** step) / (1 - mom)
-
-def adam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, **kwargs):
-    "Adam's update: the debiased average gradient over the root of the debiased average squared gradient."
-    debias1 = debias(mom, 1 - mom, step)
-    debias2 = debias(sqr_mom, 1 - sqr_mom, step)
-    denom = (sqr_avg.sqrt() / math.sqrt(debias2)).add_(eps)
-    p.addcdiv_(grad_avg, denom, value=-lr / debias1)
-adam_step.defaults = dict(eps=1e-5)
-
-declare_callback(step_stat, hypers={})
-declare_callback(adam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0})
 
 # %% ../nbs/01_optimizer.ipynb #c042
 def _decay(decouple_wd): return weight_decay if decouple_wd else l2_reg

@@ -1,8 +1,10 @@
-"""The dashboard in a real browser: JupyterLab in headless Chromium runs a background fit with `TrainingDashboard`.
+"""The dashboard in a real browser: JupyterLab and Jupyter Notebook 7 in headless Chromium run a background fit with
+`TrainingDashboard`.
 
 Checks that the frame counter rises during the fit, that dragging the lr slider changes the lr the fit records for
 later batches, that Pause holds the fit until Resume, that Stop ends the fit with the learner's history kept, and
-that a plain (blocking) fit shows live frames while its cell runs. Saves screenshots to artifacts/.
+that a plain (blocking) fit shows live frames while its cell runs. Saves screenshots to artifacts/, one set per
+front end.
 """
 import json
 import os
@@ -14,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,27 @@ ARTIFACTS = ROOT / 'artifacts'
 CHROMIUM = shutil.which('chromium') or '/usr/bin/chromium'
 CHROMIUM_ARGS = ['--no-sandbox', '--disable-gpu', '--disable-background-networking', '--disable-component-update',
                  '--disable-sync', '--no-first-run', '--disable-quic']
+
+
+@dataclass(frozen=True)
+class FrontEnd:
+    "What differs between the Jupyter front ends on one jupyter_server; cells, prompts and outputs share their markup."
+    name: str
+    app: str                  # the `jupyter` subcommand that serves it
+    app_args: tuple
+    notebook_path: str        # URL path of an open notebook, before its name
+    kernel_ready: str         # selector present once the notebook's kernel is connected and not starting
+    artifact_prefix: str
+
+
+FRONT_ENDS = {
+    'lab': FrontEnd('JupyterLab', 'lab', ('--LabApp.workspaces_dir={tmp}/workspaces',), '/lab/tree/',
+                    '.jp-StatusBar-TextItem:has-text("Idle")', 'dashboard'),
+    # Notebook 7 starts the notebook's kernel without asking and has no status bar; its kernel indicator fades out
+    # for both idle and busy, and is marked info/warn/error while the kernel starts, restarts or is dead.
+    'notebook7': FrontEnd('Jupyter Notebook 7', 'notebook', (), '/notebooks/',
+                          '.jp-NotebookKernelStatus-fade:not(.jp-NotebookKernelStatus-info)', 'dashboard_notebook7'),
+}
 
 
 def free_port():
@@ -44,19 +68,23 @@ def wait_for(condition, timeout, what):
 
 
 def server_ready(url, process):
-    if process.poll() is not None: raise AssertionError(f"JupyterLab exited with code {process.returncode}")
+    if process.poll() is not None: raise AssertionError(f"the Jupyter server exited with code {process.returncode}")
     try:
         with urllib.request.urlopen(url, timeout=2) as response: return response.status == 200
     except OSError: return False
 
 
-@pytest.fixture
-def jupyter_lab(tmp_path):
-    "JupyterLab on a free localhost port, serving a copy of the test notebook; always shut down afterwards."
+@pytest.fixture(params=list(FRONT_ENDS))
+def jupyter(request, tmp_path):
+    "A Jupyter front end on a free localhost port, serving a copy of the test notebook; always shut down afterwards."
+    front_end = FRONT_ENDS[request.param]
     if not os.path.exists(CHROMIUM): pytest.skip("chromium is not installed (`make browser-deps` installs it as root)")
     pytest.importorskip('playwright.sync_api', reason="the playwright package is not installed")
     jupyter = Path(sys.executable).parent / 'jupyter'
     if not jupyter.exists(): pytest.skip(f"no jupyter next to {sys.executable}")
+    if front_end.app == 'notebook':
+        notebook = pytest.importorskip('notebook', reason="the notebook package is not installed")
+        if int(notebook.__version__.split('.')[0]) < 7: pytest.skip(f"notebook {notebook.__version__} is older than 7")
     shutil.copy(NOTEBOOK, tmp_path / NOTEBOOK.name)
     port, token = free_port(), secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if k != 'IN_TEST'}
@@ -64,14 +92,14 @@ def jupyter_lab(tmp_path):
                JUPYTER_RUNTIME_DIR=str(tmp_path / 'runtime'), JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / 'workspaces'))
     log = open(tmp_path / 'server.log', 'w')
     process = subprocess.Popen(
-        [str(jupyter), 'lab', '--no-browser', f'--ServerApp.token={token}', '--ServerApp.ip=127.0.0.1',
+        [str(jupyter), front_end.app, '--no-browser', f'--ServerApp.token={token}', '--ServerApp.ip=127.0.0.1',
          f'--ServerApp.port={port}', '--ServerApp.port_retries=0', f'--ServerApp.root_dir={tmp_path}', '--allow-root',
-         f'--LabApp.workspaces_dir={tmp_path / "workspaces"}'],
+         *(arg.format(tmp=tmp_path) for arg in front_end.app_args)],
         cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        wait_for(lambda: server_ready(f'http://127.0.0.1:{port}/api/status?token={token}', process), 90, 'JupyterLab')
-        yield dict(url=f'http://127.0.0.1:{port}/lab/tree/{NOTEBOOK.name}?token={token}', tmp=tmp_path,
-                   result=tmp_path / 'result.json', log=tmp_path / 'server.log')
+        wait_for(lambda: server_ready(f'http://127.0.0.1:{port}/api/status?token={token}', process), 90, front_end.name)
+        yield dict(url=f'http://127.0.0.1:{port}{front_end.notebook_path}{NOTEBOOK.name}?token={token}',
+                   front_end=front_end, tmp=tmp_path, result=tmp_path / 'result.json', log=tmp_path / 'server.log')
     finally:
         for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
             if process.poll() is not None: break
@@ -99,14 +127,14 @@ def frame_stable(page, seconds):
     return before if frame_count(page) == before else None
 
 
-def open_notebook(page, url):
+def open_notebook(page, url, front_end):
     page.goto(url, timeout=90_000)
     page.wait_for_selector('.jp-Notebook .jp-Cell', timeout=90_000)
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # a "Select Kernel" dialog may come first
+    while time.monotonic() < deadline:  # JupyterLab may ask "Select Kernel" first
         accept = page.locator('.jp-Dialog .jp-mod-accept')
         if accept.count(): accept.first.click()
-        if page.locator('.jp-StatusBar-TextItem', has_text='Idle').count():
+        if page.locator(front_end.kernel_ready).count():
             # JupyterLab's question about news would cover part of the screenshots
             page.add_style_tag(content='.Toastify { display: none !important; }')
             return
@@ -137,15 +165,16 @@ def drag_slider_left(page, selector, pixels):
     page.mouse.up()
 
 
-def test_dashboard_in_jupyterlab(jupyter_lab):
+def test_dashboard_in_browser(jupyter):
     from playwright.sync_api import sync_playwright
     timings, start = {}, time.monotonic()
     ARTIFACTS.mkdir(exist_ok=True)
+    prefix = jupyter['front_end'].artifact_prefix
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
         page = browser.new_page(viewport={'width': 1300, 'height': 1000})
         try:
-            open_notebook(page, jupyter_lab['url'])
+            open_notebook(page, jupyter['url'], jupyter['front_end'])
             timings['notebook open'] = time.monotonic() - start
             timings['run attempts'] = run_cell(page, 0)
 
@@ -153,7 +182,7 @@ def test_dashboard_in_jupyterlab(jupyter_lab):
             first = wait_for(lambda: frame_count(page), 120, 'the first frame')
             timings['first frame'] = time.monotonic() - start
             wait_for(lambda: frame_count(page) >= first + 3, 60, 'more frames')
-            page.locator('.tl-dashboard').screenshot(path=str(ARTIFACTS / 'dashboard.png'))
+            page.locator('.tl-dashboard').screenshot(path=str(ARTIFACTS / f'{prefix}.png'))
 
             # (b) the lr slider steers the running fit
             before = page.locator('.tl-lr-slider .widget-readout').inner_text()
@@ -162,7 +191,7 @@ def test_dashboard_in_jupyterlab(jupyter_lab):
                                10, 'the slider readout to change')
             frames_after_drag = frame_count(page)
             wait_for(lambda: frame_count(page) >= frames_after_drag + 8, 60, 'frames after the slider change')
-            page.locator('.tl-dashboard').screenshot(path=str(ARTIFACTS / 'dashboard_after_slider.png'))
+            page.locator('.tl-dashboard').screenshot(path=str(ARTIFACTS / f'{prefix}_after_slider.png'))
 
             # Pause holds the fit (no more ticks, so no more frames) until Resume
             page.locator('.tl-dashboard button', has_text='Pause').click()
@@ -172,7 +201,7 @@ def test_dashboard_in_jupyterlab(jupyter_lab):
 
             # (c) Stop ends the fit, and the learner keeps its history
             page.locator('.tl-dashboard button', has_text='Stop').click()
-            wait_for(jupyter_lab['result'].exists, 60, 'the fit to end after Stop')
+            wait_for(jupyter['result'].exists, 60, 'the fit to end after Stop')
             timings['stopped'] = time.monotonic() - start
 
             # a blocking fit (the cell runs all along) still shows live frames
@@ -184,15 +213,16 @@ def test_dashboard_in_jupyterlab(jupyter_lab):
                      'the blocking fit to end')
             timings['blocking fit done'] = time.monotonic() - start
         except BaseException:
-            page.screenshot(path=str(ARTIFACTS / 'dashboard_failure.png'))
-            print(jupyter_lab['log'].read_text()[-3000:])
+            page.screenshot(path=str(ARTIFACTS / f'{prefix}_failure.png'))
+            print(jupyter['log'].read_text()[-3000:])
             raise
         finally:
             browser.close()
 
     assert frames_seen_while_running, "the blocking fit's frames must update while its cell runs"
-    result = json.loads(jupyter_lab['result'].read_text())
-    print('timings (s):', {k: round(v, 1) for k, v in timings.items()}, 'frames:', result['frames'], 'lr:', readout)
+    result = json.loads(jupyter['result'].read_text())
+    print(jupyter['front_end'].name, 'timings (s):', {k: round(v, 1) for k, v in timings.items()},
+          'frames:', result['frames'], 'lr:', readout)
     assert result['prefix'] == sys.prefix, "the kernel must run the project's virtual environment"
     assert result['error'] is None and result['frames'] > first
     lr_changes = [(step, value) for step, name, value in result['changes'] if name == 'lr']

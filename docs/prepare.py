@@ -127,12 +127,13 @@ def write_if_changed(path, text):
 
 
 def fetch_npm(name, spec, patterns):
-    "Unpack the files of an npm package that the pages load into docs/_build/static/<name>, once."
+    "Unpack the files of an npm package that the pages load into docs/_build/static/<name>, once per version."
     folder = STATIC / name
-    if folder.exists(): return
+    if (folder / '.spec').exists() and (folder / '.spec').read_text() == spec: return
     if not shutil.which('npm'):
-        print(f"prepare: npm not found: pages that need {spec} will lack it", file=sys.stderr)
-        return
+        sys.exit(f"prepare: the site serves {spec} itself, so that its pages need no network, and npm fetches it "
+                 "once: install npm (Debian: `apt-get install npm`), then run `make docs` again")
+    shutil.rmtree(folder, ignore_errors=True)
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run(['npm', 'pack', '--silent', spec], cwd=tmp, check=True, stdout=subprocess.DEVNULL)
         with tarfile.open(next(Path(tmp).glob('*.tgz'))) as tar: tar.extractall(tmp, filter='data')
@@ -142,6 +143,7 @@ def fetch_npm(name, spec, patterns):
                 (staging / file.relative_to(package)).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(file, staging / file.relative_to(package))
         for notice in ['package.json', *package.glob('LICENSE*')]: shutil.copy(package / notice, staging)
+        (staging / '.spec').write_text(spec)
         STATIC.mkdir(parents=True, exist_ok=True)
         shutil.move(staging, folder)
 

@@ -36,7 +36,7 @@ def test_readme_is_the_index_notebook():
 
 def test_readme_names_every_notebook():
     readme = (ROOT / 'README.md').read_text()
-    missing = [p.stem for p in (ROOT / 'nbs').glob('[0-9]*.ipynb') if f'`{p.stem}`' not in readme]
+    missing = [p.stem for p in (ROOT / 'nbs').glob('[0-9A-Z]*.ipynb') if f'`{p.stem}`' not in readme]
     assert missing == [], f"the course table in nbs/index.ipynb does not list {missing}"
 
 

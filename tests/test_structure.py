@@ -18,9 +18,10 @@ LAYERS = [
     {'core', 'random_state'},  # helpers every layer needs
     {'data'},
     {'optimizer', 'optimizers', 'fast', 'interop'},
+    {'momentum'},  # the running averages and paths on 2-D surfaces, taught right after the optimizer
     {'learner'},  # the callback core and the training loop
     {'callbacks', 'schedule', 'effective_lr', 'nan_capture', 'checkpoint', 'faults', 'testing', 'demo'},
-    {'momentum', 'dashboard_controls', 'dashboard_buffers', 'dashboard_plot', 'dashboard_widget',
+    {'dashboard_controls', 'dashboard_buffers', 'dashboard_plot', 'dashboard_widget',
      'dashboard'},  # widgets
     {'all'},
     {'designs'},  # the historical designs, in their own subpackage

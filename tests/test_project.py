@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import nbformat
 import pytest
 import torch
 
@@ -104,3 +105,12 @@ def test_gpu_check_runs_its_fits_on_the_cpu():
                           capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.count('PASS') == 5 and 'FAIL' not in done.stdout
+
+
+def test_every_notebook_opens_with_what_it_teaches():
+    "A course notebook's first text cell says what the reader will be able to do at its end."
+    missing = []
+    for path in sorted((ROOT / 'nbs').glob('[0-9A-Z]*.ipynb')):
+        first_text = next(cell for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == 'markdown')
+        if 'will be able to' not in first_text.source: missing.append(path.stem)
+    assert missing == [], f"say in the first text cell what the reader will be able to do at the end: {missing}"

@@ -6,13 +6,17 @@
 from __future__ import annotations
 
 import os
+import signal
 import tempfile
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
 # %% auto #0
-__all__ = ['default_device', 'to_device', 'check_save_path', 'check_save_folder', 'atomic_save', 'check_count', 'check_mode']
+__all__ = ['default_device', 'to_device', 'check_save_path', 'check_save_folder', 'atomic_save', 'InterruptGate', 'check_count',
+           'check_mode']
 
 # %% ../nbs/00a_core.ipynb #c005
 def default_device():
@@ -74,6 +78,43 @@ def atomic_save(obj, path):
         if os.path.exists(tmp): os.remove(tmp)
         raise
 
+
+# %% ../nbs/00a_core.ipynb #c010b
+class InterruptGate:
+    "While held, a Ctrl-C is noted instead of raised, and delivered when the gate is released."
+    def __init__(self): self.holding, self.pending, self.previous = False, None, None
+
+    @contextmanager
+    def installed(self):
+        "Route SIGINT through the gate for the duration of the block (main thread only; elsewhere nothing to do)."
+        if threading.current_thread() is not threading.main_thread() or self.previous is not None:
+            yield self
+            return
+        self.previous = signal.signal(signal.SIGINT, self._on_interrupt)
+        try: yield self
+        finally:
+            signal.signal(signal.SIGINT, self.previous)
+            self.previous, self.holding, self.pending = None, False, None
+
+    def hold(self): self.holding = True
+
+    def release(self):
+        "Stop holding; deliver an interrupt that arrived meanwhile."
+        self.holding = False
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            self._deliver(*pending)
+
+    def _on_interrupt(self, signum, frame):
+        if self.holding and self.pending is None: self.pending = (signum, frame)
+        else:  # not held, or a second Ctrl-C: a batch that never ends (a stuck loader) can still be interrupted
+            self.pending = None
+            self._deliver(signum, frame)
+
+    def _deliver(self, signum, frame):
+        if self.previous is signal.SIG_IGN: return
+        if callable(self.previous): self.previous(signum, frame)
+        else: raise KeyboardInterrupt
 
 # %% ../nbs/00a_core.ipynb #c012
 def check_count(name, value, minimum=1):

@@ -8,7 +8,6 @@ from __future__ import annotations
 import difflib
 import os
 import re
-import signal
 import threading
 import warnings
 from contextlib import contextmanager
@@ -19,7 +18,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core import atomic_save, check_save_path
+from .core import InterruptGate, atomic_save, check_save_path
 from .interop import norm_and_bias_params
 from .optimizer import Adam, Optimizer, check_hyper
 
@@ -27,8 +26,8 @@ from .optimizer import Adam, Optimizer, check_hyper
 __all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'CancelBatchException', 'CancelBackwardException',
            'CancelStepException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
            'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'TrainEvalCallback',
-           'add_default_callbacks', 'default_splitter', 'Learner', 'InterruptGate', 'callback_list', 'check_fit_args',
-           'GatherPreds', 'check_state_matches', 'optimizer_with_state', 'restore_training_state', 'EventLog']
+           'add_default_callbacks', 'default_splitter', 'Learner', 'callback_list', 'check_fit_args', 'GatherPreds',
+           'check_state_matches', 'optimizer_with_state', 'restore_training_state', 'EventLog']
 
 # %% ../nbs/04_learner.ipynb #c004
 class CancelBatchException(Exception):
@@ -318,43 +317,6 @@ def _with_events(self:Learner, body, name, cancel_exception):
     try: self(f'after_{name}')
     except cancel_exception as e: raise _cancelled_too_late(e, f'after_{name}') from None
 
-
-# %% ../nbs/04_learner.ipynb #c022
-class InterruptGate:
-    "While held, a Ctrl-C is noted instead of raised, and delivered when the gate is released."
-    def __init__(self): self.holding, self.pending, self.previous = False, None, None
-
-    @contextmanager
-    def installed(self):
-        "Route SIGINT through the gate for the duration of the block (main thread only; elsewhere nothing to do)."
-        if threading.current_thread() is not threading.main_thread() or self.previous is not None:
-            yield self
-            return
-        self.previous = signal.signal(signal.SIGINT, self._on_interrupt)
-        try: yield self
-        finally:
-            signal.signal(signal.SIGINT, self.previous)
-            self.previous, self.holding, self.pending = None, False, None
-
-    def hold(self): self.holding = True
-
-    def release(self):
-        "Stop holding; deliver an interrupt that arrived meanwhile."
-        self.holding = False
-        if self.pending is not None:
-            pending, self.pending = self.pending, None
-            self._deliver(*pending)
-
-    def _on_interrupt(self, signum, frame):
-        if self.holding and self.pending is None: self.pending = (signum, frame)
-        else:  # not held, or a second Ctrl-C: a batch that never ends (a stuck loader) can still be interrupted
-            self.pending = None
-            self._deliver(signum, frame)
-
-    def _deliver(self, signum, frame):
-        if self.previous is signal.SIG_IGN: return
-        if callable(self.previous): self.previous(signum, frame)
-        else: raise KeyboardInterrupt
 
 # %% ../nbs/04_learner.ipynb #c023
 def _loss_with_broadcast_check(loss_func, pred, yb):

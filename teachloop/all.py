@@ -9,7 +9,7 @@ __all__ = ['MODULES']
 from . import (
     callbacks, checkpoint, core, dashboard, dashboard_buffers, dashboard_controls, dashboard_plot, dashboard_widget,
     data, effective_lr, fast, faults, interop, learner, momentum, nan_capture, optimizer, optimizers, random_state,
-    schedule, testing)
+    schedule, sharpness, testing)
 from .core import *
 from .random_state import *
 from .data import *
@@ -21,6 +21,7 @@ from .learner import *
 from .callbacks import *
 from .schedule import *
 from .effective_lr import *
+from .sharpness import *
 from .nan_capture import *
 from .checkpoint import *
 from .faults import *
@@ -33,6 +34,6 @@ from .dashboard_widget import *
 from .dashboard import *
 
 MODULES = (core, random_state, data, optimizer, optimizers, fast, interop, learner, callbacks, schedule, effective_lr,
-           nan_capture, checkpoint, faults, testing, momentum, dashboard_controls, dashboard_buffers, dashboard_plot,
+           sharpness, nan_capture, checkpoint, faults, testing, momentum, dashboard_controls, dashboard_buffers, dashboard_plot,
            dashboard_widget, dashboard)
 __all__ = [name for module in MODULES for name in module.__all__]

@@ -8,7 +8,7 @@ __all__ = ['MODULES']
 # %% ../nbs/14b_all.ipynb #c003
 from . import (
     callbacks, checkpoint, core, dashboard, dashboard_buffers, dashboard_controls, dashboard_plot, dashboard_widget,
-    data, effective_lr, fast, faults, interop, learner, momentum, nan_capture, optimizer, optimizers, random_state,
+    data, effective_lr, fast, faults, interop, layer_stats, learner, momentum, nan_capture, optimizer, optimizers, random_state,
     schedule, sharpness, testing)
 from .core import *
 from .random_state import *
@@ -22,6 +22,7 @@ from .callbacks import *
 from .schedule import *
 from .effective_lr import *
 from .sharpness import *
+from .layer_stats import *
 from .nan_capture import *
 from .checkpoint import *
 from .faults import *
@@ -34,6 +35,6 @@ from .dashboard_widget import *
 from .dashboard import *
 
 MODULES = (core, random_state, data, optimizer, optimizers, fast, interop, learner, callbacks, schedule, effective_lr,
-           sharpness, nan_capture, checkpoint, faults, testing, momentum, dashboard_controls, dashboard_buffers, dashboard_plot,
+           sharpness, layer_stats, nan_capture, checkpoint, faults, testing, momentum, dashboard_controls, dashboard_buffers, dashboard_plot,
            dashboard_widget, dashboard)
 __all__ = [name for module in MODULES for name in module.__all__]

@@ -1,0 +1,127 @@
+"""Layer statistics against the same quantities taken by hand, hooks present only at ticks, a fit left unchanged,
+bounded memory, and bad input refused before the fit."""
+import copy
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from teachloop.data import DataLoaders
+from teachloop.learner import CancelBatchException, Callback, Learner
+from teachloop.layer_stats import LayerStats, dead_share, saturated_share
+from teachloop.optimizer import SGD
+from teachloop.testing import quiet
+
+pytestmark = pytest.mark.numeric
+# float64 throughout: the callback and the reference run the same reductions on the same tensors, so they agree to
+# the last bits; 1e-12 relative leaves room for a different summation order.
+RTOL = 1e-12
+
+
+def net(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3)).double()
+
+
+def batches(n, seed=0):
+    torch.manual_seed(seed)
+    return [(torch.randn(16, 4, dtype=torch.float64), torch.randint(0, 3, (16,))) for _ in range(n)]
+
+
+def learner(model, data, cbs, lr=0.1):
+    return quiet(Learner(DataLoaders(data, None), model, F.cross_entropy, opt_func=SGD, lr=lr, cbs=list(cbs)))
+
+
+def by_hand(model, xb, yb):
+    "Outputs of layers 1 (tanh) and 3 (relu) with their gradients, and the weights' gradients, before any step."
+    outputs = {}
+    def keep(name):
+        def hook(module, inputs, output): output.retain_grad(); outputs[name] = output
+        return hook
+    handles = [model[i].register_forward_hook(keep(str(i))) for i in (1, 3)]
+    F.cross_entropy(model(xb), yb).backward()
+    for h in handles: h.remove()
+    weights = {n: (p.grad.norm().item(), (p.grad.std() / p.std()).item()) for n, p in model.named_parameters() if p.dim() >= 2}
+    model.zero_grad()
+    return outputs, weights
+
+
+def test_statistics_equal_those_taken_by_hand():
+    data = batches(1)
+    model = net()
+    outputs, weights = by_hand(copy.deepcopy(model), *data[0])
+    stats = LayerStats(every=1, bins=10)
+    learner(model, data, [stats]).fit(1)
+    tick = stats.ticks[0]
+    layers = {e['layer']: e for e in tick['layers']}
+    assert sorted(layers) == ['1', '3'] and tick['step'] == 0
+    tanh_out, relu_out = outputs['1'], outputs['3']
+    assert layers['1']['saturated'] == pytest.approx((tanh_out.abs() > 0.97).double().mean().item(), rel=RTOL)
+    assert layers['3']['dead'] == pytest.approx(1 - (relu_out > 0).any(dim=0).double().mean().item(), rel=RTOL)
+    for name, out in outputs.items():
+        assert layers[name]['mean'] == pytest.approx(out.mean().item(), rel=RTOL)
+        assert layers[name]['std'] == pytest.approx(out.std().item(), rel=RTOL)
+        assert layers[name]['grad_std'] == pytest.approx(out.grad.std().item(), rel=RTOL)
+        for key, values in (('hist', out), ('grad_hist', out.grad)):
+            counts, (lo, hi) = layers[name][key]
+            reference, _ = np.histogram(values.detach().numpy(), bins=10, range=(values.min().item(), values.max().item()))
+            assert counts.tolist() == reference.tolist() and lo.item() == values.min().item()
+    for name, (norm, ratio) in weights.items():
+        assert tick['weights'][name]['grad_norm'] == pytest.approx(norm, rel=RTOL)
+        assert tick['weights'][name]['grad_to_data'] == pytest.approx(ratio, rel=RTOL)
+
+
+def test_hooks_live_only_during_a_tick_and_the_fit_is_unchanged():
+    data = batches(5)
+    watched_model, plain_model = net(), net()
+
+    class HookCount(Callback):
+        order = 70
+        def before_fit(self): self.counts = []
+        def after_batch(self): self.counts.append(sum(len(m._forward_hooks) for m in self.model.modules()))
+    count = HookCount()
+    stats = LayerStats(every=2)
+    learner(watched_model, data, [stats, count]).fit(2)
+    learner(plain_model, data, []).fit(2)
+    assert [t['step'] for t in stats.ticks] == [0, 2, 4, 6, 8]
+    assert count.counts == [0] * 10  # removed after each tick's backward, before the batch ends
+    assert all(torch.equal(a, b) for a, b in zip(watched_model.state_dict().values(), plain_model.state_dict().values()))
+
+
+def test_memory_is_bounded_and_a_cancelled_tick_leaves_no_hook():
+    class CancelAt(Callback):
+        def after_pred(self):
+            if self.train_iter == 3: raise CancelBatchException()
+    model = net()
+    stats = LayerStats(every=1, max_ticks=3)
+    learner(model, batches(6), [stats, CancelAt()]).fit(1)
+    assert [t['step'] for t in stats.ticks] == [2, 4, 5]  # the last three; the cancelled batch 3 gave none
+    assert all(len(m._forward_hooks) == 0 for m in model.modules())
+
+
+def test_shares_by_definition():
+    relu, sigmoid = nn.ReLU(), nn.Sigmoid()
+    a = torch.tensor([[0., 1., 0.], [0., 2., -0.]], dtype=torch.float64)
+    assert dead_share(relu, a).item() == pytest.approx(2 / 3, rel=RTOL)
+    conv_out = torch.zeros(2, 4, 3, 3, dtype=torch.float64); conv_out[1, 2, 0, 0] = 1.  # channel 2 fires once
+    assert dead_share(relu, conv_out).item() == pytest.approx(3 / 4, rel=RTOL)
+    s = torch.tensor([0.999, 0.5, 0.001, 0.9], dtype=torch.float64)
+    assert saturated_share(sigmoid, s).item() == 0.5 and saturated_share(relu, s) is None
+
+
+def test_bad_input_is_refused_before_the_fit():
+    for bad in ({'every': 0}, {'bins': 1}, {'max_ticks': 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))): LayerStats(**bad)
+    model = net()
+    start = copy.deepcopy(model.state_dict())
+    with pytest.raises(ValueError, match="no modules named \\['body'\\]"):
+        learner(model, batches(1), [LayerStats(modules=['body'])]).fit(1)
+    linear_only = nn.Sequential(nn.Linear(4, 3)).double()
+    with pytest.raises(ValueError, match='no tanh, sigmoid or ReLU-like layers'):
+        learner(linear_only, batches(1), [LayerStats()]).fit(1)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), start.values()))
+    watched = LayerStats(modules=['2'], every=1)  # any module by name, here a Linear
+    learner(model, batches(1), [watched]).fit(1)
+    assert [e['layer'] for e in watched.ticks[0]['layers']] == ['2'] and watched.ticks[0]['layers'][0]['dead'] is None

@@ -19,9 +19,11 @@ from fastcore.basics import patch
 from .core import check_save_path
 from .dashboard_buffers import BoundedSeries, DeviceBuffer, RunningSmoother, downsample_minmax
 from .dashboard_controls import FitControls, FitHandle, SteeringCallback, fit_background
-from .dashboard_plot import DashboardPlot
+from .dashboard_plot import EXTRA_PANELS, DashboardPlot
 from .dashboard_widget import DashboardWidget, LiveDisplay
 from .effective_lr import UpdateRatio, effective_lr_stats, layer_label, layer_name
+from .layer_stats import LayerStats
+from .sharpness import Sharpness
 
 # %% auto #0
 __all__ = ['TrainingDashboard']
@@ -79,7 +81,10 @@ def before_fit(self:TrainingDashboard):
     series = lambda: BoundedSeries(self.max_points)
     self.series = {'loss': series(), 'smooth': series(), 'valid': series()}
     self.hyper_series = {(n, g): series() for n in self._hyper_names for g in range(len(self.opt.param_groups))}
-    self.layer_names, self.effective_lr, self.ratio_series = [], None, {}
+    self.layer_names, self.effective_lr, self.ratio_series, self.elr_history = [], None, {}, {}
+    self.panels = self._extra_panels()
+    self._seen = self.live or self.save_path is not None or _ipython_shell() is not None  # a final figure is shown
+    self._module_kinds = {name: type(m).__name__ for name, m in self.model.named_modules()}
     layers = {layer_name(name) for name, _ in self.model.named_parameters()}
     self.layer_labels = {layer: layer_label(self.model, layer) for layer in layers}
     self.epoch_ends, self._smoother = [], RunningSmoother()
@@ -107,6 +112,15 @@ def frames(self:TrainingDashboard):
     "Frames drawn live in the current (or last) fit."
     display = self._display or self._last_display
     return display.frames if display is not None else 0
+
+@patch
+def _extra_panels(self:TrainingDashboard):
+    "The callbacks of this fit that the dashboard draws a panel for: `{'sharpness': cb, 'layers': cb}`."
+    found = {}
+    for cb in self.learn.cbs:
+        if isinstance(cb, Sharpness): found.setdefault('sharpness', cb)
+        if isinstance(cb, LayerStats): found.setdefault('layers', cb)
+    return found
 
 # %% ../nbs/11_dashboard.ipynb #c046
 @patch
@@ -156,9 +170,9 @@ def tick(self:TrainingDashboard, now=None):
     self.ticks += 1
     self.last_status = self.status()
     self._next_tick = (now or time.perf_counter()) + self.refresh
-    if self._display is None: return
+    if not self._seen: return  # nobody will see the effective lrs: not live, no file, no notebook
     self._read_effective_lrs()
-    self._display.submit(self.snapshot())
+    if self._display is not None: self._display.submit(self.snapshot())
 
 @patch
 def _drain(self:TrainingDashboard):
@@ -186,6 +200,12 @@ def _read_effective_lrs(self:TrainingDashboard):
     stats = effective_lr_stats(self.opt, self.model)
     if not stats: return
     self.layer_names, self.effective_lr = list(stats), torch.stack(list(stats.values())).cpu().numpy()
+    middle = self.effective_lr.shape[1] // 2
+    for name, row in zip(self.layer_names, self.effective_lr):
+        rows = self.elr_history.setdefault(name, [])
+        if rows and rows[-1][0] == self.train_iter: rows.pop()  # no step since (a validation tick): the same values
+        rows.append((self.train_iter, row[0], row[middle], row[-1]))
+        if len(rows) > self.max_points: rows[:] = rows[::2]  # bounded: every other tick kept
 
 
 # %% ../nbs/11_dashboard.ipynb #c050
@@ -203,7 +223,22 @@ def snapshot(self:TrainingDashboard) -> dict:
             'hypers': {key: copy(s) for key, s in self.hyper_series.items()},
             'layers': [self.layer_labels[name] for name in self.layer_names], 'effective_lr': self.effective_lr,
             'ratios': {self.layer_labels[name]: copy(s) for name, s in self.ratio_series.items() if len(s)},
-            'status': self.last_status}
+            'effective_lr_history': {self.layer_labels[name]: np.array(rows) for name, rows in self.elr_history.items()},
+            'status': self.last_status, 'panels': tuple(p for p in EXTRA_PANELS if p in self.panels), **self._panel_values()}
+
+@patch
+def _panel_values(self:TrainingDashboard) -> dict:
+    "Copies of what the `Sharpness` and `LayerStats` callbacks of the fit measured, for the extra panels."
+    values = {}
+    if 'sharpness' in self.panels:
+        sharp = self.panels['sharpness']
+        values['sharpness'] = tuple(np.array(v, dtype=float) for v in (sharp.steps, sharp.sharpness, sharp.thresholds))
+    if 'layers' in self.panels:
+        stats = self.panels['layers']
+        shares = {**stats.history('saturated'), **stats.history('dead')}
+        values['layer_shares'] = {f"{name} {self._module_kinds[name]}": tuple(np.array(v, dtype=float) for v in zip(*points))
+                                  for name, points in shares.items()}
+    return values
 
 @patch
 def status(self:TrainingDashboard) -> str:
@@ -239,7 +274,8 @@ def _close_display(self:TrainingDashboard):
 @patch
 def _final_plot(self:TrainingDashboard):
     "The figure of the fit's last values, drawn in this thread."
-    if self.plot is None: self.plot = DashboardPlot()
+    panels = tuple(p for p in EXTRA_PANELS if p in self.panels)
+    if self.plot is None or self.plot.panels != panels: self.plot = DashboardPlot(panels=panels)
     return self.plot.update(self.snapshot())
 
 @patch

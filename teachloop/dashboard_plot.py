@@ -9,14 +9,14 @@ from __future__ import annotations
 import numpy as np
 from fastcore.basics import patch
 from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.collections import LineCollection
+from matplotlib.collections import LineCollection, PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.ticker import NullLocator
 
 from .momentum import figure_png
 
 # %% auto #0
-__all__ = ['DashboardPlot']
+__all__ = ['EXTRA_PANELS', 'DashboardPlot']
 
 # %% ../nbs/11c_dashboard_plot.ipynb #c037
 def _set_line(lines, ax, key, x, y, **style):
@@ -29,24 +29,38 @@ def _rescale(ax):
     ax.relim()
     ax.autoscale_view()
 
+EXTRA_PANELS = ('sharpness', 'layers')  # drawn when the fit has a `Sharpness` or a `LayerStats` callback
+
 class DashboardPlot:
-    "The dashboard's four panels, drawn with matplotlib's object API and updated in place."
-    def __init__(self, figsize=(10, 6.6), dpi=72):
-        self.figure = Figure(figsize=figsize, dpi=dpi)
+    "The dashboard's panels, drawn with matplotlib's object API and updated in place."
+    def __init__(self,
+                 figsize=None,  # inches; None: 10 wide, 6.6 high, 3.3 more for a row of extra panels
+                 dpi=72,
+                 panels=()):  # extra panels among `EXTRA_PANELS`
+        unknown = set(panels) - set(EXTRA_PANELS)
+        if unknown: raise ValueError(f"unknown panels {sorted(unknown)}; the extra panels are {EXTRA_PANELS}")
+        self.panels = tuple(p for p in EXTRA_PANELS if p in panels)
+        rows = 3 if self.panels else 2
+        self.figure = Figure(figsize=figsize or (10, 3.3 * rows), dpi=dpi)
         FigureCanvasAgg(self.figure)
-        grid = self.figure.add_gridspec(2, 2, left=0.07, right=0.97, top=0.95, bottom=0.09, hspace=0.35, wspace=0.25)
-        self.ax_loss, self.ax_elr = self.figure.add_subplot(grid[0, 0]), self.figure.add_subplot(grid[1, 0])
-        # the batches of the whole fit, where a few update ratios, measured at ticks only, would span a few batches
+        grid = self.figure.add_gridspec(rows, 2, left=0.07, right=0.97, top=1 - 0.1 / rows, bottom=0.18 / rows,
+                                        hspace=0.35 + 0.1 * (rows - 2), wspace=0.25)
+        self.ax_loss = self.figure.add_subplot(grid[0, 0])
+        # the batches of the whole fit, where values measured at ticks only would span a few batches
+        self.ax_elr = self.figure.add_subplot(grid[1, 0], sharex=self.ax_loss)
         self.ax_ratio = self.figure.add_subplot(grid[1, 1], sharex=self.ax_loss)
         # Axes of their own: twin axes put a constant lr and a constant momentum at the same height, one over the other
         hyper_grid = grid[0, 1].subgridspec(2, 1, hspace=0.1)
         self.ax_hyper = self.figure.add_subplot(hyper_grid[0])
         self.ax_mom = self.figure.add_subplot(hyper_grid[1], sharex=self.ax_hyper)
-        self.lines, self._legend_keys, self._texts = {}, {}, []
+        self.ax_sharpness = self.ax_layers = None
+        for column, panel in enumerate(self.panels):
+            setattr(self, f'ax_{panel}', self.figure.add_subplot(grid[2, column], sharex=self.ax_loss))
+        self.lines, self._legend_keys, self._texts, self._elr_bands = {}, {}, [], {}
         self._epoch_marks = self.ax_loss.add_collection(LineCollection([], colors='0.6', linestyles=':', lw=0.8))
         self._change_marks = self.ax_loss.add_collection(LineCollection([], colors='C3', lw=1))
-        self._bands = self.ax_elr.add_collection(LineCollection([], colors='C0', lw=6, alpha=0.35))
         self.ax_ratio.axhline(1e-3, color='0.5', ls='--', lw=1, label='1e-3')
+        self.ax_ratio.axhspan(3e-4, 3e-3, color='0.5', alpha=0.08)  # within half a decade of the rule of thumb
         for ax in (self.ax_hyper, self.ax_elr, self.ax_ratio):
             ax.set_yscale('log')
             ax.yaxis.set_minor_locator(NullLocator())  # labelled minor ticks would be most of the drawing time
@@ -54,8 +68,14 @@ class DashboardPlot:
         self.ax_hyper.set(title='lr (log) and momentum', ylabel='lr')
         self.ax_hyper.tick_params(labelbottom=False)
         self.ax_mom.set(xlabel='training batch', ylabel='mom / β1')
-        self.ax_elr.set(title='effective lr per layer (5-50-95%)')
+        self.ax_elr.set(title='effective lr per layer (median, 5-95% band)', xlabel='training batch')
         self.ax_ratio.set(title='update / weight per layer', xlabel='training batch')
+        if self.ax_sharpness is not None:
+            self.ax_sharpness.set_yscale('log')  # the line jumps by the factor the lr does
+            self.ax_sharpness.set(title='sharpness (solid) and its stability line (dashed)', xlabel='training batch')
+        if self.ax_layers is not None:
+            self.ax_layers.set(title='saturated or dead units per layer', xlabel='training batch', ylim=(-0.02, 1.02))
+
 
 # %% ../nbs/11c_dashboard_plot.ipynb #c039
 @patch
@@ -83,18 +103,20 @@ def _plot_hypers(self:DashboardPlot, snap):
 
 @patch
 def _plot_effective_lr(self:DashboardPlot, snap):
-    names, quantiles = snap['layers'], snap['effective_lr']
-    if quantiles is None or not len(names): return
-    positions = np.arange(len(names))
-    self._bands.set_segments([[(i, lo), (i, hi)] for i, (lo, hi) in zip(positions, quantiles[:, [0, -1]])])
-    _set_line(self.lines, self.ax_elr, 'elr_median', positions, quantiles[:, len(quantiles[0]) // 2],
-              ls='', marker='_', ms=14, mew=2, color='C3')
-    if self.ax_elr.get_xticks().tolist() != positions.tolist():
-        self.ax_elr.set_xticks(positions, names, rotation=30, fontsize=7, ha='right')
-    # relim() ignores collections, so the band decides the limits here
-    positive = quantiles[np.isfinite(quantiles) & (quantiles > 0)]
+    for i, (name, rows) in enumerate(snap.get('effective_lr_history', {}).items()):
+        if not len(rows): continue
+        x, low, median, high = rows.T
+        _set_line(self.lines, self.ax_elr, ('elr', name), x, median, color=f'C{i % 10}', lw=1.2, marker='.', ms=3,
+                  label=name)
+        outline = np.column_stack([np.r_[x, x[::-1]], np.r_[low, high[::-1]]])
+        if name not in self._elr_bands:
+            self._elr_bands[name] = self.ax_elr.add_collection(PolyCollection([], color=f'C{i % 10}', alpha=0.15, lw=0))
+        self._elr_bands[name].set_verts([outline])
+    # relim() ignores collections, so the bands decide the limits here
+    bands = [rows[:, [1, 3]] for rows in snap.get('effective_lr_history', {}).values() if len(rows)]
+    positive = np.concatenate(bands) if bands else np.empty(0)
+    positive = positive[np.isfinite(positive) & (positive > 0)]
     if positive.size: self.ax_elr.set_ylim(positive.min() / 1.5, positive.max() * 1.5)
-    self.ax_elr.set_xlim(-0.5, len(names) - 0.5)
 
 @patch
 def _plot_ratios(self:DashboardPlot, snap):
@@ -104,8 +126,26 @@ def _plot_ratios(self:DashboardPlot, snap):
     _rescale(self.ax_ratio)
 
 @patch
+def _plot_sharpness(self:DashboardPlot, snap):
+    if self.ax_sharpness is None or 'sharpness' not in snap: return
+    steps, values, lines = snap['sharpness']
+    _set_line(self.lines, self.ax_sharpness, 'sharpness', steps, values, color='C0', marker='.', ms=4, label='sharpness')
+    _set_line(self.lines, self.ax_sharpness, 'stability', steps, lines, color='C3', ls='--', lw=1, label='stability line')
+    _rescale(self.ax_sharpness)
+
+@patch
+def _plot_layers(self:DashboardPlot, snap):
+    if self.ax_layers is None or 'layer_shares' not in snap: return
+    for i, (name, (x, y)) in enumerate(snap['layer_shares'].items()):
+        _set_line(self.lines, self.ax_layers, ('layer', name), x, y, color=f'C{i % 10}', marker='.', ms=4, lw=1,
+                  label=name)
+    self.ax_layers.relim()
+    self.ax_layers.autoscale_view(scaley=False)
+
+@patch
 def _refresh_legends(self:DashboardPlot):
-    for ax in (self.ax_loss, self.ax_hyper, self.ax_ratio):  # a group's momentum has the colour of its lr
+    axes = (self.ax_loss, self.ax_hyper, self.ax_elr, self.ax_ratio, self.ax_sharpness, self.ax_layers)
+    for ax in (ax for ax in axes if ax is not None):  # a group's momentum has the colour of its lr
         handles = [h for h in ax.get_lines() if h.get_label()[0] != '_']
         keys = tuple(h.get_label() for h in handles)
         if keys and self._legend_keys.get(ax) != keys:
@@ -116,6 +156,7 @@ def _refresh_legends(self:DashboardPlot):
 def update(self:DashboardPlot, snap):
     "Show the values of the tick `snap` (a dict of arrays, see `TrainingDashboard.snapshot`)."
     self._plot_loss(snap); self._plot_hypers(snap); self._plot_effective_lr(snap); self._plot_ratios(snap)
+    self._plot_sharpness(snap); self._plot_layers(snap)
     self._refresh_legends()
     return self
 

@@ -141,7 +141,8 @@ class LiveDisplay:
                 snapshot, self._latest = self._latest, None
             if snapshot is None: return
             start = time.perf_counter()
-            if self.plot is None: self.plot = DashboardPlot()
+            panels = snapshot.get('panels', ())
+            if self.plot is None or self.plot.panels != panels: self.plot = DashboardPlot(panels=panels)
             self.plot.update(snapshot)
             self.frames += 1
             self.widget.show_frame(self.plot.png(), snapshot['status'], self.frames)

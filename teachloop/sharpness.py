@@ -15,6 +15,7 @@ import torch
 from .core import check_count, to_device
 from .effective_lr import effective_lrs
 from .learner import Callback
+from .optimizer import average_sqr_grad, callback_function
 
 # %% auto #0
 __all__ = ['stability_threshold', 'hessian_vector_product', 'top_eigenvalue', 'Sharpness']
@@ -47,6 +48,12 @@ def top_eigenvalue(hvp,  # `v -> H v` on lists of tensors, from `hessian_vector_
     return eigenvalue.item(), v
 
 # %% ../nbs/10a_sharpness.ipynb #s014
+def _adaptive(opt):
+    "Whether `opt` divides its steps by a running average of squared gradients (Adam, RMSProp, ...)."
+    inner = getattr(opt, 'opt', opt)  # an `OptimWrapper` holds a torch optimizer
+    if hasattr(inner, 'cbs'): return any(callback_function(cb) is average_sqr_grad for cb in inner.cbs)
+    return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop))
+
 def _momentum_of(opt):
     "The momentum `(mom, dampened)` of a teachloop optimizer's first group, `(0., False)` without one."
     mom = opt.hypers[0].get('mom', 0.) if hasattr(opt, 'hypers') else 0.
@@ -59,7 +66,7 @@ class Sharpness(Callback):
     def __init__(self,
                  every=50,  # training steps between two estimates
                  n_iter=20,  # power iterations per estimate (each one Hessian-vector product)
-                 preconditioned=False,  # the sharpness of `P^-1 H`, `lr P^-1` the effective learning rates (Adam)
+                 preconditioned=None,  # the sharpness of `P^-1 H` (`lr P^-1`: the effective lrs); None: for Adam, RMSProp
                  batch=None):  # `(x, y)` to measure on; None: the fit's first training batch
         check_count('every', every); check_count('n_iter', n_iter)
         self.every, self.n_iter, self.preconditioned, self.batch = every, n_iter, preconditioned, batch
@@ -69,7 +76,8 @@ class Sharpness(Callback):
         if len(lrs) > 1:
             raise ValueError(f"Sharpness draws one stability line, but the parameter groups have learning rates "
                              f"{sorted(lrs)}; give them one learning rate")
-        if self.preconditioned: effective_lrs(self.opt)  # raises now for an optimizer without effective lrs
+        self._preconditioned = _adaptive(self.opt) if self.preconditioned is None else self.preconditioned
+        if self._preconditioned: effective_lrs(self.opt)  # raises now for an optimizer without effective lrs
 
     def before_fit(self):
         self.steps, self.sharpness, self.thresholds, self._vector, self._batch = [], [], [], None, None
@@ -86,7 +94,7 @@ class Sharpness(Callback):
         mom, dampened = _momentum_of(self.opt)
         self.steps.append(self.train_iter + 1)
         self.sharpness.append(self.estimate(lr))
-        self.thresholds.append(stability_threshold(lr, mom, dampened or self.preconditioned))
+        self.thresholds.append(stability_threshold(lr, mom, dampened))
 
     def estimate(self, lr):
         "The (preconditioned) sharpness now, on the fixed batch."
@@ -95,7 +103,7 @@ class Sharpness(Callback):
         with torch.random.fork_rng(devices=[p.device for p in params if p.is_cuda][:1]), torch.enable_grad():
             xb, yb = self._batch
             hvp = hessian_vector_product(self.loss_func(self.model(*xb), *yb), params)
-            scale = self._scale(params, lr) if self.preconditioned else None
+            scale = self._scale(params, lr) if self._preconditioned else None
             start = self._vector or [torch.randn_like(p) for p in params]
             value, self._vector = top_eigenvalue(hvp, start, self.n_iter, scale)
         for b, saved in zip(self.model.buffers(), buffers): b.copy_(saved)

@@ -20,8 +20,10 @@ from teachloop.dashboard_buffers import BoundedSeries, DeviceBuffer, RunningSmoo
 from teachloop.dashboard_controls import FitControls, SteeringCallback, fit_background
 from teachloop.effective_lr import effective_lr_stats
 from teachloop.data import DataLoaders, digits_cnn, digits_dls, regression_2d
+from teachloop.layer_stats import LayerStats
 from teachloop.learner import Callback, CancelFitException, EventLog, Learner
 from teachloop.optimizer import SGD, Adam
+from teachloop.sharpness import Sharpness
 from teachloop.testing import digits_learner
 
 DLS = digits_dls(bs=64)  # for the number of batches; each learner gets fresh loaders (they own a shuffling generator)
@@ -271,6 +273,43 @@ def test_the_figure_names_layers_by_label_and_the_results_by_path():
     labels = ['0.0 Conv2d 1→16', '1.0 Conv2d 16→32', '2.0 Conv2d 32→64', '5 Linear 64→10']
     assert snapshot['layers'] == labels and list(snapshot['ratios']) == labels
     assert dashboard.layer_names == list(dashboard.ratio_series) == ['0.0', '1.0', '2.0', '5']
+
+
+def test_sharpness_and_layer_panels_show_what_their_callbacks_measured(tmp_path):
+    learn = digits_learner()
+    sharp, stats = Sharpness(every=7, n_iter=3), LayerStats(every=5)
+    dashboard = TrainingDashboard(refresh=0., save_path=tmp_path / 'final.png')
+    learn.fit(1, cbs=[dashboard, stats, sharp])
+    snapshot = dashboard.snapshot()
+    assert snapshot['panels'] == ('sharpness', 'layers') and len(sharp.steps) == len(DLS.train) // 7
+    assert [a.tolist() for a in snapshot['sharpness']] == [sharp.steps, sharp.sharpness, sharp.thresholds]
+    relus = [name for name, m in learn.model.named_modules() if isinstance(m, nn.ReLU)]
+    assert list(snapshot['layer_shares']) == [f'{name} ReLU' for name in relus]
+    first = snapshot['layer_shares'][f'{relus[0]} ReLU']
+    assert first[1].tolist() == [v for _, v in stats.history('dead')[relus[0]]]
+    plot = dashboard.plot  # the figure saved at the end, drawn from the same snapshot
+    assert plot.panels == ('sharpness', 'layers') and plot.lines['sharpness'].get_ydata().tolist() == sharp.sharpness
+    assert (tmp_path / 'final.png').read_bytes()[:4] == b'\x89PNG'
+
+
+def test_effective_lrs_are_kept_over_the_fit_and_bounded(tmp_path):
+    learn = digits_learner()
+    dashboard = TrainingDashboard(refresh=0., max_points=8, save_path=tmp_path / 'final.png')
+    learn.fit(1, cbs=[dashboard])
+    history = dashboard.snapshot()['effective_lr_history']
+    assert list(history) == [dashboard.layer_labels[name] for name in dashboard.layer_names]
+    final = effective_lr_stats(learn.opt, learn.model)
+    for name, rows in zip(dashboard.layer_names, history.values()):
+        assert 4 <= len(rows) <= 8 and rows[-1][0] == learn.train_iter and (np.diff(rows[:, 0]) > 0).all()
+        assert np.allclose(rows[-1][1:], final[name].numpy()[[0, 1, 2]])  # 5%, median, 95% of the last tick
+    assert dashboard.plot.panels == () and dashboard.plot.ax_sharpness is None
+
+
+def test_no_effective_lrs_are_read_when_nobody_will_see_them(monkeypatch):
+    calls = []
+    monkeypatch.setattr(dash, 'effective_lr_stats', lambda *args: calls.append(1) or {})
+    digits_learner().fit(1, cbs=[TrainingDashboard(refresh=0.)])
+    assert len(calls) == 1  # only the final tick, for the figure IPython would show
 
 
 def test_a_live_dashboard_has_saved_its_last_frame_when_the_fit_returns(tmp_path):

@@ -157,6 +157,7 @@ def run_cell(page, cell, attempts=3):
 
 def drag_slider_left(page, selector, pixels):
     handle = page.locator(f'{selector} .noUi-handle').first
+    handle.scroll_into_view_if_needed()  # below a tall figure the sliders may start out of view
     box = handle.bounding_box()
     x, y = box['x'] + box['width'] / 2, box['y'] + box['height'] / 2
     page.mouse.move(x, y)
@@ -233,3 +234,4 @@ def test_dashboard_in_browser(jupyter):
     assert set(lrs[:step]) == {3e-3} and set(lrs[step:]) == {new_lr} and step < len(lrs)
     assert result['n_losses'] == result['train_iter'] == len(lrs) < result['n_batches']
     assert len(result['values']) >= 1 and all(len(row) == 5 for row in result['values'])
+    assert result['panels'] == ['sharpness', 'layers'] and result['n_sharpness'] >= 1  # the third row was drawn

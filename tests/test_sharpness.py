@@ -131,6 +131,16 @@ def test_the_line_follows_the_schedule_and_adams_dampened_momentum():
     assert sharp.thresholds == expected and len(set(expected)) == 4  # one-cycle moves lr and mom, and the line
 
 
+def test_adaptive_optimizers_are_preconditioned_unless_told():
+    model, x, y = small_problem(7)
+    picks = {}
+    for name, opt_func, preconditioned in [('sgd', SGD, None), ('adam', Adam, None), ('adam raw', Adam, False)]:
+        sharp = Sharpness(every=2, n_iter=3, preconditioned=preconditioned)
+        regression_learner(copy.deepcopy(model), [sharp], lr=1e-2, opt_func=opt_func, n_batches=2).fit(1)
+        picks[name] = sharp._preconditioned
+    assert picks == {'sgd': False, 'adam': True, 'adam raw': False}
+
+
 def test_bad_arguments_are_refused_before_the_fit():
     for bad in ({'every': 0}, {'n_iter': 1.5}):
         with pytest.raises(ValueError, match=next(iter(bad))): Sharpness(**bad)

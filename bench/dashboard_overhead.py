@@ -17,11 +17,19 @@ Variants:
   learning rates computed; the final figure not drawn since nobody would see it).
 - `live`: the same with `live=True`: a display thread draws every tick's frame (PNG into an ipywidgets Image without
   a frontend). Drawing competes with the fit for the CPU and the GIL, so this is the cost of watching on a CPU fit.
+- `panels`: the headless dashboard with a `LayerStats` callback at its default tick (every 50 batches) and the
+  effective learning rates kept over the fit (read at every tick, as when a figure will be shown): the cost of the
+  new panels' measurements, to hold to 1.05 of a fit without the dashboard.
+- `panels-live`: the same, drawn live with the third row of panels.
+
+Then the cost of one `Sharpness` estimate (20 power iterations) on the same model, in training steps: it is not
+cheap, so it is measured and printed rather than hidden in a ratio; every `every` steps it adds estimate / every.
 
 The live variant runs longer fits (`--live-epochs`): its cost has a fixed part (the widgets and the figure are made)
 and a steady part (the display thread draws in at most ~20 % of the time, by design, but holds the GIL meanwhile).
 
-    .venv/bin/python bench/dashboard_overhead.py [--runs 11] [--epochs 5] [--live-epochs 15] [--variants headless live]
+    .venv/bin/python bench/dashboard_overhead.py [--runs 11] [--epochs 5] [--live-epochs 15]
+        [--variants headless live panels panels-live]
 """
 import argparse
 import statistics
@@ -33,7 +41,9 @@ from torch.nn import functional as F
 import teachloop.all  # noqa: F401  (every module: the default callbacks, the fast optimizer steps)
 from teachloop.dashboard import TrainingDashboard
 from teachloop.data import digits_cnn, digits_dls
+from teachloop.layer_stats import LayerStats
 from teachloop.learner import Learner
+from teachloop.sharpness import Sharpness
 
 
 HANDLERS = ('before_fit', 'before_batch', 'before_step', 'after_step', 'after_batch', 'after_train', 'after_validate',
@@ -47,7 +57,10 @@ class TimedDashboard(TrainingDashboard):
 def _timed(name):
     def handler(self):
         start = time.perf_counter()
-        try: getattr(TrainingDashboard, name)(self)
+        try:
+            getattr(TrainingDashboard, name)(self)
+            # as when a figure will be shown (a notebook, a file), without the cost of drawing it at the end
+            if name == 'before_fit' and getattr(self, 'reads_effective_lrs', False): self._seen = True
         finally: self.seconds += time.perf_counter() - start
     handler.__name__ = name
     return handler
@@ -55,14 +68,39 @@ def _timed(name):
 for _name in HANDLERS: setattr(TimedDashboard, _name, _timed(_name))
 
 
-def fit_seconds(epochs, dashboard=None):
-    "Wall time and the training thread's CPU time of one fit from the same start (weights, data order)."
+def digits_learner():
     torch.manual_seed(0)
     learn = Learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, lr=3e-3)
     learn.progress.show_bar = learn.progress.print_rows = False
+    return learn
+
+
+def fit_seconds(epochs, dashboard=None):
+    "Wall time and the training thread's CPU time of one fit from the same start (weights, data order)."
+    learn = digits_learner()
+    cbs = None if dashboard is None else [dashboard] + getattr(dashboard, 'companions', [])
     start, start_cpu = time.perf_counter(), time.thread_time()
-    learn.fit(epochs, cbs=[dashboard] if dashboard is not None else None)
+    learn.fit(epochs, cbs=cbs)
     return time.perf_counter() - start, time.thread_time() - start_cpu
+
+
+def with_panels(dashboard):
+    "The dashboard, with the callbacks its third row of panels reads (fitted alongside it)."
+    dashboard.companions, dashboard.reads_effective_lrs = [LayerStats()], True
+    return dashboard
+
+
+def sharpness_cost(n_iter=20, repeats=5):
+    "Seconds of one sharpness estimate, and of one training step, on the digits CNN (median of `repeats`)."
+    learn = digits_learner()
+    sharp = Sharpness(every=10 ** 9, n_iter=n_iter)
+    learn.fit(1, cbs=[sharp])  # takes the fixed batch; `every` is too large for an estimate during the fit
+    sharp.learn = learn
+    estimates = []
+    for _ in range(repeats):
+        start = time.perf_counter(); sharp.estimate(learn.opt.param_groups[0]['lr']); estimates.append(time.perf_counter() - start)
+    steps = [fit_seconds(1)[0] / len(learn.dls.train) for _ in range(repeats)]
+    return statistics.median(estimates), statistics.median(steps)
 
 
 def paired_ratios(runs, epochs, make_dashboard):
@@ -86,14 +124,17 @@ def main():
     parser.add_argument('--runs', type=int, default=11)
     parser.add_argument('--epochs', type=int, default=5)
     parser.add_argument('--live-epochs', type=int, default=15)
-    parser.add_argument('--variants', nargs='+', default=['headless', 'live'], choices=['headless', 'live'])
+    variants = ['headless', 'live', 'panels', 'panels-live']
+    parser.add_argument('--variants', nargs='+', default=variants, choices=variants)
     args = parser.parse_args()
     torch.set_num_threads(1)
     fit_seconds(1)  # warm up
     print(f"digits CNN, CPU, 1 thread, {args.runs} pairs per variant")
-    makers = {'headless': lambda: TimedDashboard(live=False), 'live': lambda: TimedDashboard(live=True)}
+    makers = {'headless': lambda: TimedDashboard(live=False), 'live': lambda: TimedDashboard(live=True),
+              'panels': lambda: with_panels(TimedDashboard(live=False)),
+              'panels-live': lambda: with_panels(TimedDashboard(live=True))}
     for variant in args.variants:
-        epochs = args.epochs if variant == 'headless' else args.live_epochs
+        epochs = args.live_epochs if variant.endswith('live') else args.epochs
         base, _ = fit_seconds(epochs)
         ratios, cpu_ratios, dashboards, fastest_ratio = paired_ratios(args.runs, epochs, makers[variant])
         print(f"{variant:>8}, {epochs} epochs (~{base:.1f} s a fit), with / without the dashboard:\n"
@@ -103,6 +144,9 @@ def main():
               f"time in its handlers {statistics.median([d.seconds / wall for d, wall in dashboards]):.1%} of the fit, "
               f"ticks per fit {statistics.median([d.ticks for d, _ in dashboards]):.0f}, "
               f"frames per fit {statistics.median([d.frames for d, _ in dashboards]):.0f}")
+    estimate, step = sharpness_cost()
+    print(f"sharpness, one estimate of 20 power iterations: {estimate * 1e3:.0f} ms = {estimate / step:.0f} training steps "
+          f"({step * 1e3:.1f} ms each); every 500 steps it adds {estimate / (500 * step):.1%}")
 
 
 if __name__ == '__main__':

@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from teachloop.momentum import EWMAWidget, GradientStreamWidget, TrajectoryWidget
+from teachloop.momentum import DirectionDecayWidget, EWMAWidget, GradientStreamWidget, TrajectoryWidget
 
 torch.set_num_threads(1)
 
@@ -75,6 +75,8 @@ def main():
         ('TrajectoryWidget (200 steps), beta', lambda: TrajectoryWidget(steps=200), 'beta', betas),
         ('TrajectoryWidget (rosenbrock, 200), beta', lambda: TrajectoryWidget('rosenbrock', steps=200), 'beta', betas),
         ('GradientStreamWidget (180 steps), beta', lambda: GradientStreamWidget(grads), 'beta', betas),
+        ('DirectionDecayWidget (60 steps), beta', lambda: DirectionDecayWidget(), 'beta', betas),
+        ('DirectionDecayWidget (200 steps), lr', lambda: DirectionDecayWidget(steps=200), 'lr', [0.05 * 1.2 ** i for i in range(20)]),
     ]
     print(f"torch threads 1, load average before the run {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "
           "(other work on the machine slows every column alike)")

@@ -23,11 +23,12 @@ from .optimizer import SGD, Adam, RMSProp
 from .optimizers import Nesterov
 
 # %% auto #0
-__all__ = ['SURFACES', 'check_beta', 'ewma', 'plot_ewma', 'debiased_ewma', 'effective_window', 'ewma_weights', 'float_slider',
-           'figure_png', 'FigureWidget', 'EWMAWidget', 'Surface', 'quadratic_surface', 'rosenbrock_surface',
-           'saddle_surface', 'optimizer_set', 'trajectory', 'plot_surface', 'plot_paths', 'heavy_ball_roots',
-           'heavy_ball_rate', 'convergence_rate', 'critical_beta', 'stable_lr', 'optimal_momentum', 'lr_range',
-           'rate_map', 'plot_rate_map', 'TrajectoryWidget', 'record_gradient', 'GradientStreamWidget']
+__all__ = ['SURFACES', 'DECAY_CURVATURES', 'check_beta', 'ewma', 'plot_ewma', 'debiased_ewma', 'effective_window', 'ewma_weights',
+           'float_slider', 'figure_png', 'FigureWidget', 'EWMAWidget', 'Surface', 'quadratic_surface',
+           'rosenbrock_surface', 'saddle_surface', 'optimizer_set', 'trajectory', 'plot_surface', 'plot_paths',
+           'heavy_ball_roots', 'heavy_ball_rate', 'convergence_rate', 'critical_beta', 'stable_lr', 'optimal_momentum',
+           'lr_range', 'rate_map', 'plot_rate_map', 'TrajectoryWidget', 'direction_errors', 'DirectionDecayWidget',
+           'record_gradient', 'GradientStreamWidget']
 
 # %% ../nbs/02_momentum.ipynb #c005
 def check_beta(beta, name='beta'):
@@ -467,6 +468,64 @@ class TrajectoryWidget(FigureWidget):
         # fixed loss limits and steps in fifties change rarely, so most redraws reuse the background
         top = 10 ** np.ceil(np.log10(surface.loss(surface.start).item() * 30))
         self.ax_loss.set(xlim=(0, 50 * np.ceil(steps / 50)), ylim=(top * 1e-14, top))
+
+# %% ../nbs/02_momentum.ipynb #d002
+def direction_errors(lr, beta, curvatures, steps):
+    "The error of each eigendirection of a quadratic under heavy ball, from 1 at rest: an array (steps + 1, n)."
+    a = lr * np.asarray(curvatures, dtype=np.float64)
+    errors = np.empty((steps + 1, len(a)))
+    current = previous = np.ones(len(a))
+    errors[0] = current
+    for t in range(1, steps + 1):
+        current, previous = (1 + beta - a) * current - beta * previous, current
+        errors[t] = current
+    return errors
+
+# %% ../nbs/02_momentum.ipynb #d006
+DECAY_CURVATURES = np.geomspace(0.01, 1, 6)  # a quadratic with condition number 100, six eigendirections
+
+class DirectionDecayWidget(FigureWidget):
+    "The rate map of a quadratic with the sliders' (lr, beta), each eigendirection's error over the steps, and what is left."
+    def __init__(self,
+                 curvatures=DECAY_CURVATURES,  # the quadratic's curvatures, one eigendirection each
+                 lr=1.0, beta=0.6, steps=60):  # starting values of the sliders
+        import ipywidgets as widgets
+        import matplotlib
+        curvatures = np.asarray(curvatures, dtype=np.float64)
+        if curvatures.ndim != 1 or not (curvatures > 0).all():
+            raise ValueError(f"curvatures must be a list of positive numbers, got {curvatures.tolist()}")
+        self.curvatures = curvatures
+        fig = Figure(figsize=(14, 4))
+        self.ax_map, self.ax_errors, self.ax_left = fig.subplots(1, 3, width_ratios=[1.1, 1.2, 1])
+        plot_rate_map(self.ax_map, curvatures)
+        self.ax_map.legend(fontsize=7, loc='lower left')
+        self.marker = self.ax_map.plot([], [], '*', color='r', ms=13, mec='w')[0]
+        colors = [matplotlib.colormaps['plasma'](i / max(len(curvatures) - 1, 1) * 0.85) for i in range(len(curvatures))]
+        self.lines = [self.ax_errors.plot([], [], color=c, lw=1.3, label=f'lambda = {k:.3g}')[0]
+                      for c, k in zip(colors, curvatures)]
+        self.ax_errors.set(yscale='log', ylim=(1e-12, 1e3), xlabel='step', ylabel='|error| of the direction')
+        self.ax_errors.legend(fontsize=7, loc='lower left')
+        self.bars = self.ax_left.bar(range(len(curvatures)), np.ones(len(curvatures)), color=colors, bottom=1e-12)
+        self.ax_left.set(yscale='log', ylim=(1e-12, 1e3), xticks=range(len(curvatures)),
+                         xticklabels=[f'{k:.3g}' for k in curvatures], xlabel='curvature of the direction')
+        self.rate_labels = [self.ax_left.text(i, 2e-12, '', ha='center', va='bottom', fontsize=7, rotation=90)
+                            for i in range(len(curvatures))]
+        controls = dict(lr=float_slider('lr', lr, *lr_range(curvatures), log=True),
+                        beta=float_slider('beta', beta, 0., 0.99, 0.005),
+                        steps=widgets.IntSlider(value=steps, min=1, max=200, description='steps'))
+        dynamic = [self.marker, *self.lines, *self.bars, *self.rate_labels, self.ax_left.title]
+        super().__init__(fig, controls, dynamic)
+
+    def update(self, lr, beta, steps):
+        errors = np.abs(direction_errors(lr, beta, self.curvatures, steps))
+        rates = heavy_ball_rate(lr * self.curvatures, beta)
+        self.marker.set_data([np.log10(lr)], [beta])
+        for line, column in zip(self.lines, errors.T): line.set_data(np.arange(steps + 1), np.maximum(column, 1e-300))
+        self.ax_errors.set_xlim(0, steps)
+        for bar, label, left, rate in zip(self.bars, self.rate_labels, errors[-1], rates):
+            bar.set_height(min(max(left, 1e-12), 1e3) - 1e-12)
+            label.set_text(f'rate {rate:.3f}' + (' (diverges)' if rate > 1 else ''))
+        self.ax_left.set_title(f'left after {steps} steps; slowest rate {rates.max():.3f}', fontsize=10)
 
 # %% ../nbs/02_momentum.ipynb #c065
 def record_gradient(model,  # the model to train

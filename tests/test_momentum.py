@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 import torch
 
-from teachloop.momentum import (SURFACES, EWMAWidget, GradientStreamWidget, TrajectoryWidget, convergence_rate,
-                                critical_beta, debiased_ewma, effective_window, ewma, ewma_weights, heavy_ball_rate,
+from teachloop.momentum import (DECAY_CURVATURES, SURFACES, DirectionDecayWidget, EWMAWidget, GradientStreamWidget, TrajectoryWidget, convergence_rate,
+                                critical_beta, debiased_ewma, direction_errors, effective_window, ewma, ewma_weights, heavy_ball_rate,
                                 heavy_ball_roots, optimal_momentum, optimizer_set, rate_map,
                                 stable_lr, trajectory)
 from teachloop.optimizer import SGD, Adam, RMSProp
@@ -253,3 +253,38 @@ def test_trajectory_widget_without_momentum():
     assert np.allclose(widget.path_lines['momentum'].get_data(), sgd)
     assert np.allclose(widget.path_lines['Nesterov'].get_data(), sgd)
     assert widget.marker.get_ydata()[0] == 0.
+
+
+@pytest.mark.parametrize('lr,beta', [(0.5, 0.), (1.0, 0.6), (3.0, 0.9), (4.5, 0.2)])
+def test_direction_errors_are_what_torch_sgd_does_to_each_coordinate(lr, beta):
+    w = torch.ones(len(DECAY_CURVATURES), dtype=torch.float64, requires_grad=True)
+    opt = torch.optim.SGD([w], lr=lr, momentum=beta)  # heavy ball, as teachloop's SGD(mom=beta)
+    steps = [w.detach().clone()]
+    for _ in range(30):
+        (0.5 * (torch.from_numpy(DECAY_CURVATURES) * w ** 2).sum()).backward(); opt.step(); opt.zero_grad()
+        steps.append(w.detach().clone())
+    # float64: the recurrence and torch's buffer update round differently, ~1e-16 relative per step
+    assert np.allclose(torch.stack(steps).numpy(), direction_errors(lr, beta, DECAY_CURVATURES, 30), rtol=1e-10, atol=1e-12)
+
+
+def test_each_direction_decays_at_its_own_rate():
+    errors = np.abs(direction_errors(1.0, 0.3, DECAY_CURVATURES, 400))
+    measured, rates = (errors[400] / errors[200]) ** (1 / 200), heavy_ball_rate(DECAY_CURVATURES, 0.3)
+    oscillating = 0.3 > critical_beta(DECAY_CURVATURES)  # complex roots: the error rides a cosine under the envelope
+    assert oscillating.any() and not oscillating.all()
+    assert np.allclose(measured[~oscillating], rates[~oscillating], rtol=1e-6)
+    assert np.allclose(measured[oscillating], rates[oscillating], rtol=0.02)  # the phase's share, 200th root
+
+
+def test_direction_decay_widget_follows_its_sliders():
+    widget = DirectionDecayWidget(steps=25)
+    widget.set_values(lr=2.0, beta=0.5, steps=40)
+    lr = widget.controls['lr'].value
+    expected = np.abs(direction_errors(lr, 0.5, DECAY_CURVATURES, 40))
+    assert np.allclose(widget.lines[0].get_ydata(), expected[:, 0]) and len(widget.lines[0].get_xdata()) == 41
+    assert np.allclose([b.get_height() + 1e-12 for b in widget.bars], np.clip(expected[-1], 1e-12, 1e3))
+    assert np.allclose(widget.marker.get_data(), [[np.log10(lr)], [0.5]])
+    before = widget.image.value
+    widget.controls['beta'].value = 0.9
+    assert widget.image.value != before and widget.rate_labels[0].get_text() == f"rate {heavy_ball_rate(lr * 0.01, 0.9):.3f}"
+    with pytest.raises(ValueError, match='positive'): DirectionDecayWidget(curvatures=[1., -1.])

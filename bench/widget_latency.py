@@ -17,6 +17,7 @@ import time
 import torch
 
 from teachloop.momentum import DirectionDecayWidget, EWMAWidget, GradientStreamWidget, TrajectoryWidget
+from teachloop.optimizer_builder import OptimizerBuilder
 
 torch.set_num_threads(1)
 
@@ -76,6 +77,7 @@ def main():
         ('TrajectoryWidget (rosenbrock, 200), beta', lambda: TrajectoryWidget('rosenbrock', steps=200), 'beta', betas),
         ('GradientStreamWidget (180 steps), beta', lambda: GradientStreamWidget(grads), 'beta', betas),
         ('DirectionDecayWidget (60 steps), beta', lambda: DirectionDecayWidget(), 'beta', betas),
+        ('OptimizerBuilder (AdamW), lr', lambda: OptimizerBuilder(), 'lr', [0.005 * 1.15 ** i for i in range(20)]),
         ('DirectionDecayWidget (200 steps), lr', lambda: DirectionDecayWidget(steps=200), 'lr', [0.05 * 1.2 ** i for i in range(20)]),
     ]
     print(f"torch threads 1, load average before the run {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores "

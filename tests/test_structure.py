@@ -18,7 +18,7 @@ LAYERS = [
     {'core', 'random_state'},  # helpers every layer needs
     {'data'},
     {'optimizer', 'optimizers', 'fast', 'interop'},
-    {'momentum'},  # the running averages and paths on 2-D surfaces, taught right after the optimizer
+    {'momentum', 'optimizer_builder'},  # the running averages and paths on 2-D surfaces, taught right after the optimizer
     {'learner'},  # the callback core and the training loop
     {'callbacks', 'schedule', 'effective_lr', 'sharpness', 'layer_stats', 'nan_capture', 'checkpoint', 'faults', 'testing', 'demo'},
     {'dashboard_controls', 'dashboard_buffers', 'dashboard_plot', 'dashboard_widget',

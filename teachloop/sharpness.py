@@ -67,9 +67,11 @@ class Sharpness(Callback):
                  every=50,  # training steps between two estimates
                  n_iter=20,  # power iterations per estimate (each one Hessian-vector product)
                  preconditioned=None,  # the sharpness of `P^-1 H` (`lr P^-1`: the effective lrs); None: for Adam, RMSProp
-                 batch=None):  # `(x, y)` to measure on; None: the fit's first training batch
-        check_count('every', every); check_count('n_iter', n_iter)
+                 batch=None,  # `(x, y)` to measure on; None: the fit's first training batch
+                 max_points=2000):  # estimates kept; beyond, every other one is dropped
+        check_count('every', every); check_count('n_iter', n_iter); check_count('max_points', max_points, minimum=2)
         self.every, self.n_iter, self.preconditioned, self.batch = every, n_iter, preconditioned, batch
+        self.max_points = max_points
 
     def check_fit(self):
         lrs = {group['lr'] for group in self.opt.param_groups}
@@ -95,6 +97,8 @@ class Sharpness(Callback):
         self.steps.append(self.train_iter + 1)
         self.sharpness.append(self.estimate(lr))
         self.thresholds.append(stability_threshold(lr, mom, dampened))
+        if len(self.steps) > self.max_points:  # bounded memory on any fit: every other estimate kept
+            self.steps, self.sharpness, self.thresholds = self.steps[::2], self.sharpness[::2], self.thresholds[::2]
 
     def estimate(self, lr):
         "The (preconditioned) sharpness now, on the fixed batch."

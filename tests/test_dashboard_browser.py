@@ -85,7 +85,8 @@ def jupyter(request, tmp_path):
     if front_end.app == 'notebook':
         notebook = pytest.importorskip('notebook', reason="the notebook package is not installed")
         if int(notebook.__version__.split('.')[0]) < 7: pytest.skip(f"notebook {notebook.__version__} is older than 7")
-    shutil.copy(NOTEBOOK, tmp_path / NOTEBOOK.name)
+    notebook = getattr(request.module, 'NOTEBOOK', NOTEBOOK)  # the test module's own notebook
+    shutil.copy(notebook, tmp_path / notebook.name)
     port, token = free_port(), secrets.token_hex(16)
     env = {k: v for k, v in os.environ.items() if k != 'IN_TEST'}
     env.update(OMP_NUM_THREADS='1', TEACHLOOP_BROWSER_RESULT=str(tmp_path / 'result.json'),
@@ -98,7 +99,7 @@ def jupyter(request, tmp_path):
         cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_for(lambda: server_ready(f'http://127.0.0.1:{port}/api/status?token={token}', process), 90, front_end.name)
-        yield dict(url=f'http://127.0.0.1:{port}{front_end.notebook_path}{NOTEBOOK.name}?token={token}',
+        yield dict(url=f'http://127.0.0.1:{port}{front_end.notebook_path}{notebook.name}?token={token}',
                    front_end=front_end, tmp=tmp_path, result=tmp_path / 'result.json', log=tmp_path / 'server.log')
     finally:
         for sig, grace in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):

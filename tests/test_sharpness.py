@@ -131,6 +131,14 @@ def test_the_line_follows_the_schedule_and_adams_dampened_momentum():
     assert sharp.thresholds == expected and len(set(expected)) == 4  # one-cycle moves lr and mom, and the line
 
 
+def test_estimates_kept_are_bounded():
+    model, x, y = small_problem(8)
+    sharp = Sharpness(every=1, n_iter=2, max_points=4)
+    regression_learner(model, [sharp], n_batches=10).fit(1)
+    assert 3 <= len(sharp.steps) <= 4 and sharp.steps[-1] <= 10 and sharp.steps == sorted(sharp.steps)
+    assert len(sharp.sharpness) == len(sharp.thresholds) == len(sharp.steps)
+
+
 def test_adaptive_optimizers_are_preconditioned_unless_told():
     model, x, y = small_problem(7)
     picks = {}

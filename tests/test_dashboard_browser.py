@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,59 +168,64 @@ def drag_slider_left(page, selector, pixels):
     page.mouse.up()
 
 
-def test_dashboard_in_browser(jupyter):
+@contextmanager
+def browser_page(jupyter, prefix, width=1300):
+    "A headless Chromium page; on an error, a screenshot `<prefix>_failure.png` and the server log's end."
     from playwright.sync_api import sync_playwright
-    timings, start = {}, time.monotonic()
     ARTIFACTS.mkdir(exist_ok=True)
-    prefix = jupyter['front_end'].artifact_prefix
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        page = browser.new_page(viewport={'width': 1300, 'height': 1000})
-        try:
-            open_notebook(page, jupyter['url'], jupyter['front_end'])
-            timings['notebook open'] = time.monotonic() - start
-            timings['run attempts'] = run_cell(page, 0)
-
-            # (a) frames are drawn during the fit
-            first = wait_for(lambda: frame_count(page), 120, 'the first frame')
-            timings['first frame'] = time.monotonic() - start
-            wait_for(lambda: frame_count(page) >= first + 3, 60, 'more frames')
-            page.locator('.tl-dashboard').screenshot(path=str(ARTIFACTS / f'{prefix}.png'))
-
-            # (b) the lr slider steers the running fit
-            before = page.locator('.tl-lr-slider .widget-readout').inner_text()
-            drag_slider_left(page, '.tl-lr-slider', 40)
-            readout = wait_for(lambda: (t := page.locator('.tl-lr-slider .widget-readout').inner_text()) != before and t,
-                               10, 'the slider readout to change')
-            frames_after_drag = frame_count(page)
-            wait_for(lambda: frame_count(page) >= frames_after_drag + 8, 60, 'frames after the slider change')
-            page.locator('.tl-dashboard').screenshot(path=str(ARTIFACTS / f'{prefix}_after_slider.png'))
-
-            # Pause holds the fit (no more ticks, so no more frames) until Resume
-            page.locator('.tl-dashboard button', has_text='Pause').click()
-            paused_at = wait_for(lambda: frame_stable(page, 1.5), 20, 'the frames to stop while paused')
-            page.locator('.tl-dashboard button', has_text='Resume').click()
-            wait_for(lambda: frame_count(page) > paused_at, 30, 'frames after Resume')
-
-            # (c) Stop ends the fit, and the learner keeps its history
-            page.locator('.tl-dashboard button', has_text='Stop').click()
-            wait_for(jupyter['result'].exists, 60, 'the fit to end after Stop')
-            timings['stopped'] = time.monotonic() - start
-
-            # a blocking fit (the cell runs all along) still shows live frames
-            run_cell(page, 1)
-            blocking_first = wait_for(lambda: is_running(page, 1) and frame_count(page, 1), 60, 'a blocking-fit frame')
-            wait_for(lambda: frame_count(page, 1) > blocking_first, 60, 'the next frame of the blocking fit')
-            frames_seen_while_running = is_running(page, 1)
-            wait_for(lambda: 'blocking fit done' in page.locator('.jp-Cell').nth(1).inner_text(), 120,
-                     'the blocking fit to end')
-            timings['blocking fit done'] = time.monotonic() - start
+        page = browser.new_page(viewport={'width': width, 'height': 1000})
+        try: yield page
         except BaseException:
             page.screenshot(path=str(ARTIFACTS / f'{prefix}_failure.png'))
             print(jupyter['log'].read_text()[-3000:])
             raise
-        finally:
-            browser.close()
+        finally: browser.close()
+
+
+def test_dashboard_in_browser(jupyter):
+    timings, start = {}, time.monotonic()
+    prefix = jupyter['front_end'].artifact_prefix
+    with browser_page(jupyter, prefix) as page:
+        open_notebook(page, jupyter['url'], jupyter['front_end'])
+        timings['notebook open'] = time.monotonic() - start
+        timings['run attempts'] = run_cell(page, 0)
+
+        # (a) frames are drawn during the fit
+        first = wait_for(lambda: frame_count(page), 120, 'the first frame')
+        timings['first frame'] = time.monotonic() - start
+        wait_for(lambda: frame_count(page) >= first + 3, 60, 'more frames')
+        page.locator('.tl-dashboard').screenshot(path=str(ARTIFACTS / f'{prefix}.png'))
+
+        # (b) the lr slider steers the running fit
+        before = page.locator('.tl-lr-slider .widget-readout').inner_text()
+        drag_slider_left(page, '.tl-lr-slider', 40)
+        readout = wait_for(lambda: (t := page.locator('.tl-lr-slider .widget-readout').inner_text()) != before and t,
+                           10, 'the slider readout to change')
+        frames_after_drag = frame_count(page)
+        wait_for(lambda: frame_count(page) >= frames_after_drag + 8, 60, 'frames after the slider change')
+        page.locator('.tl-dashboard').screenshot(path=str(ARTIFACTS / f'{prefix}_after_slider.png'))
+
+        # Pause holds the fit (no more ticks, so no more frames) until Resume
+        page.locator('.tl-dashboard button', has_text='Pause').click()
+        paused_at = wait_for(lambda: frame_stable(page, 1.5), 20, 'the frames to stop while paused')
+        page.locator('.tl-dashboard button', has_text='Resume').click()
+        wait_for(lambda: frame_count(page) > paused_at, 30, 'frames after Resume')
+
+        # (c) Stop ends the fit, and the learner keeps its history
+        page.locator('.tl-dashboard button', has_text='Stop').click()
+        wait_for(jupyter['result'].exists, 60, 'the fit to end after Stop')
+        timings['stopped'] = time.monotonic() - start
+
+        # a blocking fit (the cell runs all along) still shows live frames
+        run_cell(page, 1)
+        blocking_first = wait_for(lambda: is_running(page, 1) and frame_count(page, 1), 60, 'a blocking-fit frame')
+        wait_for(lambda: frame_count(page, 1) > blocking_first, 60, 'the next frame of the blocking fit')
+        frames_seen_while_running = is_running(page, 1)
+        wait_for(lambda: 'blocking fit done' in page.locator('.jp-Cell').nth(1).inner_text(), 120,
+                 'the blocking fit to end')
+        timings['blocking fit done'] = time.monotonic() - start
 
     assert frames_seen_while_running, "the blocking fit's frames must update while its cell runs"
     result = json.loads(jupyter['result'].read_text())

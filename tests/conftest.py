@@ -1,5 +1,6 @@
 import os
 import signal
+import sys
 
 import pytest
 import torch
@@ -43,3 +44,22 @@ def ctrl_c_raises_keyboard_interrupt():
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, previous)
+
+
+# Tensor methods that make the host wait for the device (a GPU): what a callback must not call between ticks.
+SYNC_METHODS = ('item', 'cpu', 'tolist', 'numpy', '__float__', '__bool__', '__int__')
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    "`watch(*modules)` -> a list that collects the name of every host-syncing tensor call made from those modules."
+    def watch(*modules):
+        reads, files = [], {module.__file__ for module in modules}
+        for name in SYNC_METHODS:
+            original = getattr(torch.Tensor, name)
+            def counted(self, *args, _original=original, _name=name, **kwargs):
+                if sys._getframe(1).f_code.co_filename in files: reads.append(_name)
+                return _original(self, *args, **kwargs)
+            monkeypatch.setattr(torch.Tensor, name, counted)
+        return reads
+    return watch

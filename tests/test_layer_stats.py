@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from teachloop import layer_stats as module
 from teachloop.data import DataLoaders
 from teachloop.learner import CancelBatchException, Callback, Learner
 from teachloop.layer_stats import LayerStats, dead_share, saturated_share
@@ -125,3 +126,14 @@ def test_bad_input_is_refused_before_the_fit():
     watched = LayerStats(modules=['2'], every=1)  # any module by name, here a Linear
     learner(model, batches(1), [watched]).fit(1)
     assert [e['layer'] for e in watched.ticks[0]['layers']] == ['2'] and watched.ticks[0]['layers'][0]['dead'] is None
+
+
+def test_no_host_reads_between_ticks(host_reads):
+    reads, per_batch = host_reads(module), []
+
+    class Probe(Callback):
+        order = 100
+        def after_batch(self): per_batch.append(len(reads))
+    learner(net(), batches(8), [LayerStats(every=4), Probe()]).fit(1)
+    new_reads = [b - a for a, b in zip([0] + per_batch, per_batch)]
+    assert [i for i, n in enumerate(new_reads) if n] == [0, 4], new_reads  # the host waits at ticks only

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from teachloop import sharpness as module
 from teachloop.data import DataLoaders
 from teachloop.interop import OptimWrapper
 from teachloop.learner import Callback, Learner
@@ -164,3 +165,14 @@ def test_bad_arguments_are_refused_before_the_fit():
                           cbs=[Sharpness(preconditioned=True)]))
     with pytest.raises(ValueError, match='effective learning rate rule for Adagrad'): learn.fit(1)
     assert all(torch.equal(a, b) for a, b in zip(learn.model.state_dict().values(), start.values()))
+
+
+def test_no_host_reads_between_ticks(host_reads):
+    reads, per_batch = host_reads(module), []
+
+    class Probe(Callback):
+        order = 100
+        def after_batch(self): per_batch.append(len(reads))
+    regression_learner(small_problem(9)[0], [Sharpness(every=4, n_iter=3), Probe()], n_batches=8).fit(1)
+    new_reads = [b - a for a, b in zip([0] + per_batch, per_batch)]
+    assert [i for i, n in enumerate(new_reads) if n] == [3, 7], new_reads  # the host waits at ticks only

@@ -487,11 +487,11 @@ DECAY_CURVATURES = np.geomspace(0.01, 1, 6)  # a quadratic with condition number
 class DirectionDecayWidget(FigureWidget):
     "The rate map of a quadratic with the sliders' (lr, beta), each eigendirection's error over the steps, and what is left."
     def __init__(self,
-                 curvatures=DECAY_CURVATURES,  # the quadratic's curvatures, one eigendirection each
+                 curvatures=None,  # the quadratic's curvatures, one eigendirection each; None: `DECAY_CURVATURES`
                  lr=1.0, beta=0.6, steps=60):  # starting values of the sliders
         import ipywidgets as widgets
         import matplotlib
-        curvatures = np.asarray(curvatures, dtype=np.float64)
+        curvatures = np.asarray(DECAY_CURVATURES if curvatures is None else curvatures, dtype=np.float64)
         if curvatures.ndim != 1 or not (curvatures > 0).all():
             raise ValueError(f"curvatures must be a list of positive numbers, got {curvatures.tolist()}")
         self.curvatures = curvatures

@@ -36,7 +36,7 @@ from .schedule import fit_one_cycle  # adds `Learner.fit_one_cycle`, which `digi
 # %% auto #0
 __all__ = ['process_count', 'init_distributed', 'free_port', 'RankFailed', 'run_ranks', 'all_reduce_demo', 'ShardSampler',
            'check_shardable', 'shard_loader', 'shard_dls', 'sum_over_processes', 'any_process', 'check_world',
-           'DataParallel', 'digits_fit']
+           'StepMessage', 'allreduce_with_message', 'DataParallel', 'digits_fit']
 
 # %% ../nbs/15_distributed.ipynb #c005
 def process_count():
@@ -215,80 +215,100 @@ def check_world():
                          "`init_distributed()` (or torch.distributed.init_process_group) before training")
 
 # %% ../nbs/15_distributed.ipynb #c022
+class StepMessage:
+    "Numbers each rank adds to the all-reduce of a step's last gradient bucket, and their sums over the ranks once it is done."
+    def __init__(self, world_size): self.world_size, self.outgoing, self.incoming = world_size, None, None
+
+def allreduce_with_message(message, bucket):
+    "DDP's communication hook: the mean of a gradient bucket over the ranks; the step's last bucket carries `message` along."
+    buffer = bucket.buffer().div_(message.world_size)  # what DDP's own hook does: each rank adds its share of the mean
+    extra = message.outgoing if bucket.is_last() else None
+    if extra is not None: buffer, message.outgoing = torch.cat([buffer, extra.to(buffer)]), None
+    def unpack(done):
+        total = done.value()[0]
+        if extra is None: return total
+        message.incoming = total[-len(extra):]
+        return total[:-len(extra)]
+    return dist.all_reduce(buffer, async_op=True).get_future().then(unpack)
+
+# %% ../nbs/15_distributed.ipynb #c022a
 class DataParallel(Callback):
     "Train as one of the processes of torch.distributed: DDP averages the gradients; loss, Ctrl-C and NaN are agreed on."
     order = 45  # after NaNCapture (20); before the Recorder (50), which keeps the loss of the global batch it sets
     def __init__(self):
-        self._ddp, self._sent, self._quietened, self._joined, self.rank, self.world_size = None, None, [], False, 0, 1
-        self.distributed = False
+        self._ddp, self._quietened, self._joined, self.rank, self.world_size = None, [], False, 0, 1
+        self.distributed, self._ddp_clean, self._carry = False, False, False
 
     def before_fit(self):
         self._join()
         if not self.distributed: return
+        # one wrapper for all the fits of a `with` block (making one costs collectives), unless it may be in a bad state
         device = next(self.model.parameters()).device
-        self._ddp = DistributedDataParallel(self.model, device_ids=[device] if device.type == 'cuda' else None)
-        self.learn.training_module = self._ddp
+        if self._ddp is None or not self._ddp_clean or self._ddp.device_ids != _device_ids(device):
+            self._ddp, self._message = DistributedDataParallel(self.model, device_ids=_device_ids(device)), StepMessage(self.world_size)
+            self._ddp.register_comm_hook(self._message, allreduce_with_message)
+        self.learn.training_module, self._ddp_clean, self._carry = self._ddp, False, False
         self._set_hooks(any_process=partial(any_process, group=self._host_group))
 
     def before_validate(self): self._join()  # `learn.validate()` in the block too, where no fit came first
 
     def before_train(self): self.learn.dls.train.sampler.set_epoch(self.learn.epoch)
 
+    def before_backward(self):
+        if self.distributed: self._send()
+
     def after_batch(self):
         learn = self.learn  # read directly: this runs every batch
         if not learn.training or not self.distributed: return
         gate = learn.interrupts
-        here, gate.pending = gate.pending is not None, None  # held back: every rank stops when all know
-        stop = self._receive()
-        self._send(here)
-        if stop or learn.iter == learn.n_iter - 1: stop = self._receive() or stop
-        if stop: gate.pending = (signal.SIGINT, None)
+        if gate.pending is not None: self._carry, gate.pending = True, None  # the others hear of it with the next step
+        if self._message.incoming is None: return  # no backward in this batch: nothing was exchanged
+        if self._receive(): gate.pending = (signal.SIGINT, None)
 
-    def after_train(self): self._receive()  # a training phase cut short leaves no loss unreduced
-    def after_fit(self): self._receive()  # nor a fit stopped in the middle of a batch (by NaNCapture, in every rank)
+    def after_fit(self):  # a fit stopped in its training phase may have stopped between DDP's forward and backward
+        self._ddp_clean = not self.learn.training
 
     def cleanup_fit(self):
         self._set_hooks(sum_over_processes=None, any_process=None)
-        self.learn.training_module, self._ddp, self._sent, self._joined = None, None, None, False
+        self.learn.training_module, self._joined = None, False
         for cb, shown in self._quietened: cb.show_bar, cb.print_rows = shown
         self._quietened = []
 
+def _device_ids(device): return [device.index] if device.type == 'cuda' else None
+
 # %% ../nbs/15_distributed.ipynb #c023
+@patch
+def _send(self:DataParallel):
+    "Put the batch's loss (divided by the world size: their mean) and whether a Ctrl-C came here into the step's message."
+    learn, gate = self.learn, self.learn.interrupts
+    here, gate.pending, self._carry = self._carry or gate.pending is not None, None, False  # held back until all know
+    share = learn.loss.detach().reshape(1) / self.world_size
+    self._flag = torch.tensor([float(here)])
+    if self._host_group is None: self._message.outgoing = torch.cat([share, self._flag.to(share)])  # gloo: all in one
+    else:  # the loss stays on its GPU, the flag goes through the host's group, in the background
+        self._message.outgoing = share
+        self._flag_sent = dist.all_reduce(self._flag, group=self._host_group, async_op=True)
+
+@patch
+def _receive(self:DataParallel):
+    "Take the loss of the global batch from the step's message; whether a Ctrl-C came to any rank."
+    incoming, self._message.incoming = self._message.incoming, None
+    self.learn.loss = incoming[0]
+    if self._host_group is None: return bool(incoming[1])
+    self._flag_sent.wait()
+    return bool(self._flag)
+
 @patch
 def _join(self:DataParallel):
     "Once per fit (or validation): this rank and the world's size, the group for host values, the Recorder's hook."
     if self._joined: return
-    self._joined, self.rank, self.world_size, self._sent = True, process_rank(), process_count(), None
+    self._joined, self.rank, self.world_size = True, process_rank(), process_count()
     self.distributed = dist.is_available() and dist.is_initialized()  # a world of 1 with a group trains through DDP too
     if self.rank != 0: self._quieten()
     if not self.distributed: return
     # values read on the host (the Ctrl-C flag, the validation sums) go through gloo, also when the gradients use nccl
-    self._host_group = None if dist.get_backend() == 'gloo' else dist.new_group(backend='gloo')
+    if not hasattr(self, '_host_group'): self._host_group = None if dist.get_backend() == 'gloo' else dist.new_group(backend='gloo')
     self._set_hooks(sum_over_processes=partial(sum_over_processes, group=self._host_group))
-
-@patch
-def _send(self:DataParallel, here):
-    "Start summing the batch's loss divided by the world size (their mean) and whether a Ctrl-C came here, without waiting."
-    learn = self.learn
-    loss = learn.loss.detach().reshape(1) if learn.loss is not None else torch.zeros(1)
-    share = loss / self.world_size
-    if self._host_group is None:  # gloo: one message carries both
-        message = torch.cat([share, share.new_tensor([float(here)])])
-        works, flag, reduced = [dist.all_reduce(message, async_op=True)], message[1:], message[:1]
-    else:  # the loss stays on its GPU (no wait for it); the flag goes through the host's group
-        flag = torch.tensor([float(here)])
-        works = [dist.all_reduce(share, async_op=True), dist.all_reduce(flag, group=self._host_group, async_op=True)]
-        reduced = share
-    if learn.loss is not None: learn.loss = reduced.reshape(())  # filled in when the sum arrives
-    self._sent = (works, flag)
-
-@patch
-def _receive(self:DataParallel):
-    "Wait for the last message sent, if any: whether a Ctrl-C came to any rank."
-    if self._sent is None: return False
-    (works, flag), self._sent = self._sent, None
-    for work in works: work.wait()
-    return bool(flag.item())
 
 @patch
 def _set_hooks(self:DataParallel, **hooks):

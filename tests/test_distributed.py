@@ -111,9 +111,11 @@ def test_a_nan_on_rank_one_stops_both_ranks_at_that_step(tmp_path):
 
 
 class CtrlC(Callback):
-    "A Ctrl-C that reaches rank `rank` alone, while it draws the batch of training step `at`."
-    def __init__(self, rank, at): self.rank, self.at = rank, at
-    def before_batch(self):
+    "A Ctrl-C that reaches rank `rank` alone at `event` of training step `at`."
+    def __init__(self, rank, at, event):
+        self.rank, self.at = rank, at
+        setattr(self, event, self.interrupt)
+    def interrupt(self):
         if self.learn.training and self.learn.train_iter == self.at and process_rank() == self.rank:
             os.kill(os.getpid(), signal.SIGINT)
 
@@ -132,11 +134,11 @@ def fit_and_report(learn, **kwargs):
             'rows': [row[:4] for row in learn.recorder.values], 'losses': learn.recorder.losses}
 
 
-def interrupted_and_resumed(folder, at):
+def interrupted_and_resumed(folder, at, event):
     "A fit never stopped; one stopped by a Ctrl-C in rank 1 at step `at`; fits resumed from its file and from epoch 1's."
     whole = fit_and_report(digits_learner_fp32(Checkpoint(folder / 'whole')))
     learn = digits_learner_fp32(Checkpoint(folder / 'cut'))
-    try: fit_and_report(learn, cbs=[CtrlC(1, at)])
+    try: fit_and_report(learn, cbs=[CtrlC(1, at, event)])
     except KeyboardInterrupt: stopped_at = learn.train_iter
     else: raise AssertionError("the Ctrl-C did not stop the fit")
     dist.barrier()  # rank 0 writes interrupted.pt as its fit ends; the others read it below
@@ -145,10 +147,13 @@ def interrupted_and_resumed(folder, at):
     return whole, from_ctrl_c, from_epoch, stopped_at
 
 
-def test_checkpoint_and_ctrl_c_on_two_ranks_resume_exactly(tmp_path):
+# A Ctrl-C that comes before a step's backward goes to the other ranks with that step's gradients: all stop after it;
+# one that comes later (during the optimizer step) goes with the next step's.
+@pytest.mark.parametrize('event, steps_done', [('before_batch', 1), ('after_step', 2)])
+def test_checkpoint_and_ctrl_c_on_two_ranks_resume_exactly(tmp_path, event, steps_done):
     at = 30  # in the middle of epoch 1 (23 steps an epoch in each rank)
-    ranks = run_ranks(interrupted_and_resumed, tmp_path, at, **FORK)
-    assert ranks[0][3] == ranks[1][3] == at + 2  # the Ctrl-C came in step `at`; every rank knew it one step later
+    ranks = run_ranks(interrupted_and_resumed, tmp_path, at, event, **FORK)
+    assert ranks[0][3] == ranks[1][3] == at + steps_done
     assert sorted(p.name for p in (tmp_path / 'cut').iterdir()) == ['epoch-001.pt', 'interrupted.pt', 'latest.pt']
     for whole, *resumed, _ in ranks:
         for fit in resumed:

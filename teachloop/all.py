@@ -8,8 +8,8 @@ __all__ = ['MODULES']
 # %% ../nbs/14b_all.ipynb #c003
 from . import (
     callbacks, checkpoint, core, dashboard, dashboard_buffers, dashboard_controls, dashboard_plot, dashboard_widget,
-    data, effective_lr, fast, faults, interop, learner, momentum, nan_capture, optimizer, optimizers, random_state,
-    schedule, testing)
+    data, distributed, effective_lr, fast, faults, interop, learner, momentum, nan_capture, optimizer, optimizers,
+    random_state, schedule, testing)
 from .core import *
 from .random_state import *
 from .data import *
@@ -25,6 +25,7 @@ from .nan_capture import *
 from .checkpoint import *
 from .faults import *
 from .testing import *
+from .distributed import *
 from .momentum import *
 from .dashboard_controls import *
 from .dashboard_buffers import *
@@ -33,6 +34,6 @@ from .dashboard_widget import *
 from .dashboard import *
 
 MODULES = (core, random_state, data, optimizer, optimizers, fast, interop, learner, callbacks, schedule, effective_lr,
-           nan_capture, checkpoint, faults, testing, momentum, dashboard_controls, dashboard_buffers, dashboard_plot,
+           nan_capture, checkpoint, faults, testing, distributed, momentum, dashboard_controls, dashboard_buffers, dashboard_plot,
            dashboard_widget, dashboard)
 __all__ = [name for module in MODULES for name in module.__all__]

@@ -24,7 +24,7 @@ from fastcore.basics import patch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
-from .callbacks import ProgressCallback, Recorder, accuracy
+from .callbacks import Recorder, accuracy
 from .core import process_rank
 from .data import DataLoaders, load_digits_tensors, tensor_dls, digits_cnn
 from .learner import Callback, Learner
@@ -239,6 +239,11 @@ class DataParallel(Callback):
         self._ddp, self._quietened, self._joined, self.rank, self.world_size = None, [], False, 0, 1
         self.distributed, self._ddp_clean, self._carry = False, False, False
 
+    def check_fit(self):
+        if not isinstance(getattr(self.learn.dls.train, 'sampler', None), DistributedSampler):
+            raise ValueError("DataParallel trains each process on its shard of the data: use it through "
+                             "`with learn.distributed(): learn.fit(...)`, which shares the loaders out")
+
     def before_fit(self):
         self._join()
         if not self.distributed: return
@@ -271,7 +276,10 @@ class DataParallel(Callback):
     def cleanup_fit(self):
         self._set_hooks(sum_over_processes=None, any_process=None)
         self.learn.training_module, self._joined = None, False
-        for cb, shown in self._quietened: cb.show_bar, cb.print_rows = shown
+
+    def restore_shown(self):
+        "Give back to the callbacks quietened in ranks other than 0 what they showed or saved (when the block ends)."
+        for cb, attr, value in self._quietened: setattr(cb, attr, value)
         self._quietened = []
 
 def _device_ids(device): return [device.index] if device.type == 'cuda' else None
@@ -317,13 +325,19 @@ def _set_hooks(self:DataParallel, **hooks):
         for name, value in hooks.items():
             if isinstance(cb, (Recorder, NaNCapture)) and hasattr(cb, name): setattr(cb, name, value)
 
+# What a callback shows or writes for the reader, and the value that switches it off: the progress bar's bar and rows,
+# a dashboard's live display and saved picture (read as attributes: the dashboard's module is above this one).
+_SHOWN = {'show_bar': False, 'print_rows': False, 'live': False, 'save_path': None}
+
 @patch
 def _quieten(self:DataParallel):
-    "No progress bar nor printed rows in ranks other than 0 (put back when the fit ends)."
+    "Switch off the bars, rows, live displays and saved pictures of this rank's callbacks (not rank 0's)."
+    done = {(id(cb), attr) for cb, attr, _ in self._quietened}
     for cb in self.learn.cbs:
-        if isinstance(cb, ProgressCallback):
-            self._quietened.append((cb, (cb.show_bar, cb.print_rows)))
-            cb.show_bar = cb.print_rows = False
+        for attr, off in _SHOWN.items():
+            if attr in vars(cb) and (id(cb), attr) not in done:
+                self._quietened.append((cb, attr, getattr(cb, attr)))
+                setattr(cb, attr, off)
 
 # %% ../nbs/15_distributed.ipynb #c024
 @patch
@@ -338,7 +352,9 @@ def distributed(self:Learner,
     with self.added_cbs([DataParallel()]) as (callback,):
         self.dls = shards
         try: yield callback
-        finally: self.dls = own
+        finally:
+            self.dls = own
+            callback.restore_shown()  # after the fits' last events: a dashboard saves its picture in `cleanup_fit`
 
 # %% ../nbs/15_distributed.ipynb #c026
 def digits_fit(bs=32,  # items per batch in each process (the global batch is `bs` times the processes)

@@ -231,3 +231,26 @@ def test_the_same_fit_on_gpus_with_nccl():
     for rank in ranks[1:]:
         assert all(torch.equal(w, ranks[0]['weights'][k]) for k, w in rank['weights'].items())
     assert ranks[0]['values'][-1][2] < 2.0 and ranks[0]['values'][-1][3] > 0.5
+
+
+def quiet_except_rank_zero():
+    "What rank 1's progress callback shows during a fit and after the block, with rank 0's."
+    learn = digits_learner_fp32()
+    learn.progress.show_bar = learn.progress.print_rows = True
+    seen = []
+    class Look(Callback):
+        def after_epoch(self): seen.append((self.learn.progress.show_bar, self.learn.progress.print_rows))
+    with learn.distributed(): learn.fit(1, cbs=[Look()])
+    return seen, (learn.progress.show_bar, learn.progress.print_rows)
+
+
+def test_only_rank_zero_shows_progress_and_rows(capsys):
+    ranks = run_ranks(quiet_except_rank_zero, **FORK)
+    assert ranks[0] == ([(True, True)], (True, True)) and ranks[1] == ([(False, False)], (True, True))
+
+
+def test_the_callback_alone_is_refused_before_anything_changes():
+    from teachloop.distributed import DataParallel
+    learn = digits_learner_fp32()
+    with pytest.raises(ValueError, match='learn.distributed'): learn.fit(1, cbs=[DataParallel()])
+    assert learn.opt is None and learn.train_iter == 0

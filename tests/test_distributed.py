@@ -254,3 +254,32 @@ def test_the_callback_alone_is_refused_before_anything_changes():
     learn = digits_learner_fp32()
     with pytest.raises(ValueError, match='learn.distributed'): learn.fit(1, cbs=[DataParallel()])
     assert learn.opt is None and learn.train_iter == 0
+
+
+class Started(Callback):
+    "Write the file `started` into `folder` in rank 0 at training step `at`."
+    def __init__(self, folder, at): self.folder, self.at = folder, at
+    def after_batch(self):
+        if self.learn.training and self.learn.train_iter == self.at and process_rank() == 0:
+            (self.folder / 'started').touch()
+
+
+def long_fit(folder):
+    learn = digits_learner_fp32(Checkpoint(folder), Started(folder, 30))
+    with learn.distributed(): learn.fit(50)
+
+
+def interrupt_when_started(folder):
+    "Send this process a Ctrl-C once `folder/started` exists (the ranks are training)."
+    deadline = time.monotonic() + 60
+    while not (folder / 'started').exists() and time.monotonic() < deadline: time.sleep(0.02)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_ctrl_c_in_the_launching_process_stops_every_rank_after_the_same_batch(tmp_path):
+    "As 'interrupt kernel' in a notebook: `run_ranks` passes the Ctrl-C on, the ranks stop together, rank 0 saves."
+    import threading
+    threading.Thread(target=interrupt_when_started, args=(tmp_path,), daemon=True).start()
+    with pytest.raises(KeyboardInterrupt): run_ranks(long_fit, tmp_path, **FORK)
+    state = torch.load(tmp_path / 'interrupted.pt', weights_only=True)
+    assert state['progress']['resumable'] and 30 < state['progress']['train_iter'] < 50 * 23

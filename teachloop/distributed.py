@@ -237,7 +237,7 @@ class DataParallel(Callback):
     order = 45  # after NaNCapture (20); before the Recorder (50), which keeps the loss of the global batch it sets
     def __init__(self):
         self._ddp, self._quietened, self._joined, self.rank, self.world_size = None, [], False, 0, 1
-        self.distributed, self._ddp_clean, self._carry = False, False, False
+        self.distributed, self._ddp_clean, self._carry, self._made_host_group = False, False, False, False
 
     def check_fit(self):
         if not isinstance(getattr(self.learn.dls.train, 'sampler', None), DistributedSampler):
@@ -315,7 +315,9 @@ def _join(self:DataParallel):
     if self.rank != 0: self._quieten()
     if not self.distributed: return
     # values read on the host (the Ctrl-C flag, the validation sums) go through gloo, also when the gradients use nccl
-    if not hasattr(self, '_host_group'): self._host_group = None if dist.get_backend() == 'gloo' else dist.new_group(backend='gloo')
+    if not self._made_host_group:  # once per block: making a group is a collective
+        self._host_group = None if dist.get_backend() == 'gloo' else dist.new_group(backend='gloo')
+        self._made_host_group = True
     self._set_hooks(sum_over_processes=partial(sum_over_processes, group=self._host_group))
 
 @patch
@@ -323,7 +325,7 @@ def _set_hooks(self:DataParallel, **hooks):
     "Set the hooks of the Recorder (`sum_over_processes`) and of NaNCapture (`any_process`) that this learner has."
     for cb in self.learn.cbs:
         for name, value in hooks.items():
-            if isinstance(cb, (Recorder, NaNCapture)) and hasattr(cb, name): setattr(cb, name, value)
+            if isinstance(cb, (Recorder, NaNCapture)) and name in vars(cb): setattr(cb, name, value)
 
 # What a callback shows or writes for the reader, and the value that switches it off: the progress bar's bar and rows,
 # a dashboard's live display and saved picture (read as attributes: the dashboard's module is above this one).

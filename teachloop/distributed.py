@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from .callbacks import Recorder, accuracy
-from .core import process_rank
+from .core import check_count, process_rank
 from .data import DataLoaders, load_digits_tensors, tensor_dls, digits_cnn
 from .learner import Callback, Learner
 from .nan_capture import NaNCapture
@@ -36,7 +36,7 @@ from .schedule import fit_one_cycle  # adds `Learner.fit_one_cycle`, which `digi
 # %% auto #0
 __all__ = ['process_count', 'init_distributed', 'free_port', 'RankFailed', 'run_ranks', 'all_reduce_demo', 'ShardSampler',
            'check_shardable', 'shard_loader', 'shard_dls', 'sum_over_processes', 'any_process', 'check_world',
-           'StepMessage', 'allreduce_with_message', 'DataParallel', 'digits_fit']
+           'DataParallel', 'digits_fit']
 
 # %% ../nbs/15_distributed.ipynb #c005
 def process_count():
@@ -215,29 +215,15 @@ def check_world():
                          "`init_distributed()` (or torch.distributed.init_process_group) before training")
 
 # %% ../nbs/15_distributed.ipynb #c022
-class StepMessage:
-    "Numbers each rank adds to the all-reduce of a step's last gradient bucket, and their sums over the ranks once it is done."
-    def __init__(self, world_size): self.world_size, self.outgoing, self.incoming = world_size, None, None
-
-def allreduce_with_message(message, bucket):
-    "DDP's communication hook: the mean of a gradient bucket over the ranks; the step's last bucket carries `message` along."
-    buffer = bucket.buffer().div_(message.world_size)  # what DDP's own hook does: each rank adds its share of the mean
-    extra = message.outgoing if bucket.is_last() else None
-    if extra is not None: buffer, message.outgoing = torch.cat([buffer, extra.to(buffer)]), None
-    def unpack(done):
-        total = done.value()[0]
-        if extra is None: return total
-        message.incoming = total[-len(extra):]
-        return total[:-len(extra)]
-    return dist.all_reduce(buffer, async_op=True).get_future().then(unpack)
-
-# %% ../nbs/15_distributed.ipynb #c022a
 class DataParallel(Callback):
-    "Train as one of the processes of torch.distributed: DDP averages the gradients; loss, Ctrl-C and NaN are agreed on."
-    order = 45  # after NaNCapture (20); before the Recorder (50), which keeps the loss of the global batch it sets
-    def __init__(self):
-        self._ddp, self._quietened, self._joined, self.rank, self.world_size = None, [], False, 0, 1
-        self.distributed, self._ddp_clean, self._carry, self._made_host_group = False, False, False, False
+    "Train as one of the processes of torch.distributed: DDP averages the gradients; losses, Ctrl-C and NaN are agreed on."
+    order = 45  # after NaNCapture (20); before the Recorder (50), which reads the losses this callback sums
+    def __init__(self,
+                 agree_every=8,  # training steps between two exchanges of the losses and of a Ctrl-C
+                ):
+        check_count('agree_every', agree_every)
+        self.agree_every, self._ddp, self._quietened, self._joined, self.rank, self.world_size = agree_every, None, [], False, 0, 1
+        self.distributed, self._ddp_clean, self._made_host_group, self._losses, self._here = False, False, False, [], False
 
     def check_fit(self):
         if not isinstance(getattr(self.learn.dls.train, 'sampler', None), DistributedSampler):
@@ -246,36 +232,37 @@ class DataParallel(Callback):
 
     def before_fit(self):
         self._join()
+        self._losses, self._here = [], False
         if not self.distributed: return
         # one wrapper for all the fits of a `with` block (making one costs collectives), unless it may be in a bad state
         device = next(self.model.parameters()).device
         if self._ddp is None or not self._ddp_clean or self._ddp.device_ids != _device_ids(device):
-            self._ddp, self._message = DistributedDataParallel(self.model, device_ids=_device_ids(device)), StepMessage(self.world_size)
-            self._ddp.register_comm_hook(self._message, allreduce_with_message)
-        self.learn.training_module, self._ddp_clean, self._carry = self._ddp, False, False
+            self._ddp = DistributedDataParallel(self.model, device_ids=_device_ids(device))
+        self.learn.training_module, self._ddp_clean = self._ddp, False
         self._set_hooks(any_process=partial(any_process, group=self._host_group))
 
     def before_validate(self): self._join()  # `learn.validate()` in the block too, where no fit came first
 
     def before_train(self): self.learn.dls.train.sampler.set_epoch(self.learn.epoch)
 
-    def before_backward(self):
-        if self.distributed: self._send()
-
     def after_batch(self):
         learn = self.learn  # read directly: this runs every batch
         if not learn.training or not self.distributed: return
         gate = learn.interrupts
-        if gate.pending is not None: self._carry, gate.pending = True, None  # the others hear of it with the next step
-        if self._message.incoming is None: return  # no backward in this batch: nothing was exchanged
-        if self._receive(): gate.pending = (signal.SIGINT, None)
+        if gate.pending is not None: self._here, gate.pending = True, None  # held back until every rank knows
+        if learn.loss is not None: self._losses.append(learn.loss)
+        if len(self._losses) >= self.agree_every or learn.iter == learn.n_iter - 1:
+            if self._agree(): gate.pending = (signal.SIGINT, None)  # in every rank, after this same batch
 
-    def after_fit(self):  # a fit stopped in its training phase may have stopped between DDP's forward and backward
+    def after_train(self): self._agree()  # a training phase cut short: its last losses too
+    def after_fit(self):
+        self._agree()  # a fit stopped by NaNCapture, in every rank: its last losses too
+        # a fit stopped in its training phase may have stopped between DDP's forward and backward: a new wrapper then
         self._ddp_clean = not self.learn.training
 
     def cleanup_fit(self):
         self._set_hooks(sum_over_processes=None, any_process=None)
-        self.learn.training_module, self._joined = None, False
+        self.learn.training_module, self._joined, self._losses = None, False, []
 
     def restore_shown(self):
         "Give back to the callbacks quietened in ranks other than 0 what they showed or saved (when the block ends)."
@@ -286,25 +273,22 @@ def _device_ids(device): return [device.index] if device.type == 'cuda' else Non
 
 # %% ../nbs/15_distributed.ipynb #c023
 @patch
-def _send(self:DataParallel):
-    "Put the batch's loss (divided by the world size: their mean) and whether a Ctrl-C came here into the step's message."
-    learn, gate = self.learn, self.learn.interrupts
-    here, gate.pending, self._carry = self._carry or gate.pending is not None, None, False  # held back until all know
-    share = learn.loss.detach().reshape(1) / self.world_size
-    self._flag = torch.tensor([float(here)])
-    if self._host_group is None: self._message.outgoing = torch.cat([share, self._flag.to(share)])  # gloo: all in one
-    else:  # the loss stays on its GPU, the flag goes through the host's group, in the background
-        self._message.outgoing = share
-        self._flag_sent = dist.all_reduce(self._flag, group=self._host_group, async_op=True)
-
-@patch
-def _receive(self:DataParallel):
-    "Take the loss of the global batch from the step's message; whether a Ctrl-C came to any rank."
-    incoming, self._message.incoming = self._message.incoming, None
-    self.learn.loss = incoming[0]
-    if self._host_group is None: return bool(incoming[1])
-    self._flag_sent.wait()
-    return bool(self._flag)
+def _agree(self:DataParallel):
+    "Sum the losses of the last steps over the ranks, in place (their mean: equal batches), and whether a Ctrl-C came; reset both."
+    if not self.distributed or not self._losses: return False
+    losses = torch.stack(self._losses) / self.world_size
+    flag = torch.tensor([float(self._here)])
+    if self._host_group is None:  # gloo: one message carries both
+        message = torch.cat([losses, flag.to(losses)])
+        dist.all_reduce(message)
+        losses, stop = message[:-1], bool(message[-1])
+    else:  # the losses stay on their GPU (no wait for them), the flag goes through the host's group
+        dist.all_reduce(losses)
+        dist.all_reduce(flag, group=self._host_group)
+        stop = bool(flag)
+    for kept, total in zip(self._losses, losses.unbind()): kept.copy_(total)  # the tensors the Recorder holds
+    self._losses, self._here = [], False
+    return stop
 
 @patch
 def _join(self:DataParallel):
@@ -314,8 +298,8 @@ def _join(self:DataParallel):
     self.distributed = dist.is_available() and dist.is_initialized()  # a world of 1 with a group trains through DDP too
     if self.rank != 0: self._quieten()
     if not self.distributed: return
-    # values read on the host (the Ctrl-C flag, the validation sums) go through gloo, also when the gradients use nccl
     if not self._made_host_group:  # once per block: making a group is a collective
+        # values read on the host (the Ctrl-C flag, the validation sums) go through gloo, also when the gradients use nccl
         self._host_group = None if dist.get_backend() == 'gloo' else dist.new_group(backend='gloo')
         self._made_host_group = True
     self._set_hooks(sum_over_processes=partial(sum_over_processes, group=self._host_group))

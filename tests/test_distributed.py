@@ -147,13 +147,12 @@ def interrupted_and_resumed(folder, at, event):
     return whole, from_ctrl_c, from_epoch, stopped_at
 
 
-# A Ctrl-C that comes before a step's backward goes to the other ranks with that step's gradients: all stop after it;
-# one that comes later (during the optimizer step) goes with the next step's.
-@pytest.mark.parametrize('event, steps_done', [('before_batch', 1), ('after_step', 2)])
-def test_checkpoint_and_ctrl_c_on_two_ranks_resume_exactly(tmp_path, event, steps_done):
-    at = 30  # in the middle of epoch 1 (23 steps an epoch in each rank)
+# The ranks agree every 8 steps and at each epoch's end (steps 7, 15 and 22 of each epoch of 23): a Ctrl-C in rank 1
+# while it draws step 27's batch, or during step 30's optimizer step, stops both ranks after step 30 (the epoch's 8th).
+@pytest.mark.parametrize('event, at', [('before_batch', 27), ('after_step', 30)])
+def test_checkpoint_and_ctrl_c_on_two_ranks_resume_exactly(tmp_path, event, at):
     ranks = run_ranks(interrupted_and_resumed, tmp_path, at, event, **FORK)
-    assert ranks[0][3] == ranks[1][3] == at + steps_done
+    assert ranks[0][3] == ranks[1][3] == 31
     assert sorted(p.name for p in (tmp_path / 'cut').iterdir()) == ['epoch-001.pt', 'interrupted.pt', 'latest.pt']
     for whole, *resumed, _ in ranks:
         for fit in resumed:

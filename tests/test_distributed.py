@@ -239,13 +239,17 @@ def quiet_except_rank_zero():
     seen = []
     class Look(Callback):
         def after_epoch(self): seen.append((self.learn.progress.show_bar, self.learn.progress.print_rows))
-    with learn.distributed(): learn.fit(1, cbs=[Look()])
-    return seen, (learn.progress.show_bar, learn.progress.print_rows)
+    with learn.distributed():
+        learn.fit(1, cbs=[Look()])
+        valid = learn.validate()  # outside a fit, in the block: each rank its shard, summed
+    return seen, (learn.progress.show_bar, learn.progress.print_rows), valid, learn.validate()
 
 
-def test_only_rank_zero_shows_progress_and_rows(capsys):
+def test_only_rank_zero_shows_progress_and_rows_and_validate_sums_the_shards():
     ranks = run_ranks(quiet_except_rank_zero, **FORK)
-    assert ranks[0] == ([(True, True)], (True, True)) and ranks[1] == ([(False, False)], (True, True))
+    assert ranks[0][:2] == ([(True, True)], (True, True)) and ranks[1][:2] == ([(False, False)], (True, True))
+    # after the block each rank validates on the whole set alone: the same numbers, to float32's rounding
+    assert ranks[0][2] == ranks[1][2] and all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(ranks[0][2], ranks[0][3]))
 
 
 def test_the_callback_alone_is_refused_before_anything_changes():

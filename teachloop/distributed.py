@@ -26,12 +26,13 @@ from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, Ra
 
 from .callbacks import Recorder, accuracy
 from .core import check_count, process_rank
-from .data import DataLoaders, load_digits_tensors, tensor_dls, digits_cnn
+from .data import DataLoaders, digits_cnn, load_digits_tensors, tensor_dls
+from .faults import TerminateOnNaN
 from .learner import Callback, Learner
 from .nan_capture import NaNCapture
 from .optimizer import SGD
 from .random_state import set_seed
-from .schedule import fit_one_cycle  # adds `Learner.fit_one_cycle`, which `digits_fit` uses
+from .schedule import LRFinder, fit_one_cycle  # the import adds `Learner.fit_one_cycle`, which `digits_fit` uses
 
 # %% auto #0
 __all__ = ['process_count', 'init_distributed', 'free_port', 'RankFailed', 'run_ranks', 'all_reduce_demo', 'ShardSampler',
@@ -229,6 +230,11 @@ class DataParallel(Callback):
         if not isinstance(getattr(self.learn.dls.train, 'sampler', None), DistributedSampler):
             raise ValueError("DataParallel trains each process on its shard of the data: use it through "
                              "`with learn.distributed(): learn.fit(...)`, which shares the loaders out")
+        alone = [type(cb).__name__ for cb in self.learn.cbs if isinstance(cb, _DECIDE_ALONE)]
+        if alone and process_count() > 1:
+            raise ValueError(f"{', '.join(alone)} would stop the fit on this process's own batch loss, which the other "
+                             "processes do not see: they would wait for it forever. Find the learning rate in one "
+                             "process; stop on non-finite gradients with NaNCapture, which agrees with the others")
 
     def before_fit(self):
         self._join()
@@ -270,6 +276,9 @@ class DataParallel(Callback):
         self._quietened = []
 
 def _device_ids(device): return [device.index] if device.type == 'cuda' else None
+
+# Callbacks that stop a fit on a value only this process has seen (its batch's loss), without asking the others.
+_DECIDE_ALONE = (LRFinder, TerminateOnNaN)
 
 # %% ../nbs/15_distributed.ipynb #c023
 @patch

@@ -18,6 +18,7 @@ from teachloop.core import process_rank
 from teachloop.data import DataLoaders, digits_cnn, load_digits_tensors, tensor_dls
 from teachloop.distributed import RankFailed, check_world, digits_fit, run_ranks, shard_dls
 from teachloop.effective_lr import EffectiveLRTracker
+from teachloop.faults import TerminateOnNaN
 from teachloop.learner import Callback, Learner
 from teachloop.nan_capture import NaNCapture, replay_nan
 from teachloop.optimizer import SGD, Adam
@@ -242,11 +243,16 @@ def quiet_except_rank_zero():
     with learn.distributed():
         learn.fit(1, cbs=[Look()])
         valid = learn.validate()  # outside a fit, in the block: each rank its shard, summed
-    return seen, (learn.progress.show_bar, learn.progress.print_rows), valid, learn.validate()
+        weights = [p.clone() for p in learn.model.parameters()]
+        try: learn.fit(1, cbs=[TerminateOnNaN()])
+        except ValueError as e: refused = str(e) if all(torch.equal(a, b) for a, b in zip(weights, learn.model.parameters())) else None
+    return seen, (learn.progress.show_bar, learn.progress.print_rows), valid, learn.validate(), refused
 
 
 def test_only_rank_zero_shows_progress_and_rows_and_validate_sums_the_shards():
+    "And a callback that would stop one rank on its own loss is refused before the fit changes anything."
     ranks = run_ranks(quiet_except_rank_zero, **FORK)
+    assert all('TerminateOnNaN would stop the fit' in rank[4] for rank in ranks)
     assert ranks[0][:2] == ([(True, True)], (True, True)) and ranks[1][:2] == ([(False, False)], (True, True))
     # after the block each rank validates on the whole set alone: the same numbers, to float32's rounding
     assert ranks[0][2] == ranks[1][2] and all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(ranks[0][2], ranks[0][3]))

@@ -37,7 +37,7 @@ from .schedule import LRFinder, fit_one_cycle  # the import adds `Learner.fit_on
 # %% auto #0
 __all__ = ['process_count', 'init_distributed', 'free_port', 'RankFailed', 'run_ranks', 'all_reduce_demo', 'ShardSampler',
            'check_shardable', 'shard_loader', 'shard_dls', 'sum_over_processes', 'any_process', 'check_world',
-           'DataParallel', 'digits_fit']
+           'DataParallel', 'digits_fit', 'PoisonBatch', 'nan_on_one_rank']
 
 # %% ../nbs/15_distributed.ipynb #c005
 def process_count():
@@ -372,3 +372,24 @@ def digits_fit(bs=32,  # items per batch in each process (the global batch is `b
         else: learn.fit(n_epoch, cbs=list(cbs))
     return {'rank': process_rank(), 'weights': {k: v.detach().cpu() for k, v in learn.model.state_dict().items()},
             'values': learn.recorder.values, 'losses': learn.recorder.losses}
+
+# %% ../nbs/15_distributed.ipynb #c035b
+class PoisonBatch(Callback):
+    "Turn the first input of the training batch of step `at` into NaN, in the process of rank `rank` only (a fault to study)."
+    def __init__(self, rank, at): self.rank, self.at = rank, at
+    def before_batch(self):
+        if self.learn.training and self.learn.train_iter == self.at and process_rank() == self.rank:
+            self.learn.xb[0][0] = float('nan')
+
+def nan_on_one_rank(folder,  # where each rank's NaNCapture writes its file
+                    rank=1,  # the rank whose batch gets a NaN
+                    at=5,  # at this training step
+                   ):
+    "Fit the digits CNN with NaNCapture while `rank`'s batch at step `at` holds a NaN: where this rank stopped, and its file."
+    set_seed(0)
+    learn = Learner(tensor_dls(*load_digits_tensors(), bs=32), digits_cnn(), torch.nn.functional.cross_entropy,
+                    opt_func=partial(SGD, mom=0.9), lr=0.1, cbs=[NaNCapture(folder)])
+    learn.progress.show_bar = learn.progress.print_rows = False
+    with learn.distributed(): learn.fit(2, cbs=[PoisonBatch(rank, at)])
+    return {'train_iter': learn.train_iter, 'captured': learn.nan_capture.captured,
+            'finite': all(bool(p.isfinite().all()) for p in learn.model.parameters())}

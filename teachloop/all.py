@@ -8,7 +8,7 @@ __all__ = ['MODULES']
 # %% ../nbs/14b_all.ipynb #c003
 from . import (
     callbacks, checkpoint, core, dashboard, dashboard_buffers, dashboard_controls, dashboard_plot, dashboard_widget,
-    data, effective_lr, fast, faults, interop, layer_stats, learner, momentum, nan_capture, optimizer,
+    data, distributed, effective_lr, fast, faults, interop, layer_stats, learner, momentum, nan_capture, optimizer,
     optimizer_builder, optimizers, random_state, schedule, sharpness, testing)
 from .core import *
 from .random_state import *
@@ -27,6 +27,7 @@ from .nan_capture import *
 from .checkpoint import *
 from .faults import *
 from .testing import *
+from .distributed import *
 from .momentum import *
 from .optimizer_builder import *
 from .dashboard_controls import *
@@ -37,5 +38,5 @@ from .dashboard import *
 
 MODULES = (core, random_state, data, optimizer, optimizers, fast, interop, momentum, optimizer_builder, learner,
            callbacks, schedule, effective_lr, sharpness, layer_stats, nan_capture, checkpoint, faults, testing,
-           dashboard_controls, dashboard_buffers, dashboard_plot, dashboard_widget, dashboard)
+           distributed, dashboard_controls, dashboard_buffers, dashboard_plot, dashboard_widget, dashboard)
 __all__ = [name for module in MODULES for name in module.__all__]

@@ -108,6 +108,7 @@ class Recorder(Callback):
     order = 50
     def __init__(self, beta=0.98):
         self.beta = beta
+        self.sum_over_processes = None  # a function summing a tensor over the processes that train together, if several do
         self.reset()
 
     def reset(self):
@@ -152,10 +153,19 @@ class Recorder(Callback):
 
     def after_validate(self):
         per_metric = list(zip(*self._valid_metrics)) or [[] for _ in self.learn.metrics]
-        values = [_weighted_mean(self._valid_losses, self._valid_sizes)]
-        values += [_weighted_mean(list(m), self._valid_sizes) for m in per_metric]
+        if self.sum_over_processes is not None: values = self._means_over_processes([self._valid_losses, *per_metric])
+        else:
+            values = [_weighted_mean(self._valid_losses, self._valid_sizes)]
+            values += [_weighted_mean(list(m), self._valid_sizes) for m in per_metric]
         self.last_valid = self._valid_row = _stack(values).tolist()
         self._valid_losses, self._valid_sizes, self._valid_metrics = [], [], []
+
+    def _means_over_processes(self, columns):
+        "Each column's mean weighted by batch size over the validation batches of every process (each had a shard)."
+        sizes = torch.tensor(self._valid_sizes, dtype=torch.float64)
+        sums = [(_stack(c).double().cpu() * sizes).sum() if c else torch.zeros((), dtype=torch.float64) for c in columns]
+        totals = self.sum_over_processes(torch.stack(sums + [sizes.sum()]))
+        return list((totals[:-1] / totals[-1]).unbind())
 
     def after_epoch(self):
         self.values.append(self._epoch_row())

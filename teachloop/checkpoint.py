@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 from fastcore.basics import patch
 
-from .core import atomic_save, check_count, check_mode, check_save_folder, check_save_path
+from .core import (atomic_save, check_count, check_mode, check_save_folder, check_save_path, process_rank,
+                            wait_for_processes)
 from .learner import (Callback, CancelFitException, Learner, check_state_matches, optimizer_with_state,
                                restore_training_state)
 from .random_state import loader_generators, rng_readers, rng_states, saveable_rng, set_rng_states
@@ -257,12 +258,17 @@ class Checkpoint(Callback):
         # states to resume from are those of the end of the last whole batch (or of the epoch's start).
         at_boundary = self.batch_boundary is not None and self.batch_boundary[0] == self.train_iter
         rng = self.batch_boundary[1] if at_boundary else None  # the learner has left its training phase by now
+        if process_rank() != 0: return
         path = self.learn.save_checkpoint(self.folder / 'interrupted.pt', rng)
         print(f"Checkpoint: the fit was interrupted; `fit({self.n_epoch}, resume={str(path)!r})` continues it")
 
     def after_epoch(self):
         done = self.epoch + 1
         if done % self.every_n_epochs: return
+        if process_rank() == 0: self._write_epoch(done)
+        wait_for_processes()
+
+    def _write_epoch(self, done):
         path = self.learn.save_checkpoint(self.folder / f'epoch-{done:03d}.pt')
         replace_with_link(path, self.latest)
         # Only files this callback wrote are ever removed: other files in the folder (an earlier fit's) stay.

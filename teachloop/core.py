@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['default_device', 'to_device', 'check_save_path', 'check_save_folder', 'atomic_save', 'InterruptGate', 'check_count',
-           'check_mode']
+__all__ = ['default_device', 'to_device', 'check_save_path', 'check_save_folder', 'atomic_save', 'process_rank',
+           'wait_for_processes', 'InterruptGate', 'check_count', 'check_mode']
 
 # %% ../nbs/00a_core.ipynb #c005
 def default_device():
@@ -78,6 +78,17 @@ def atomic_save(obj, path):
         if os.path.exists(tmp): os.remove(tmp)
         raise
 
+
+# %% ../nbs/00a_core.ipynb #p002
+def process_rank():
+    "This process's rank among the processes training together under torch.distributed; 0 when it trains alone."
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed.get_rank() if distributed else 0
+
+def wait_for_processes():
+    "Wait until every process training together under torch.distributed gets here (a barrier); alone, return at once."
+    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.barrier()
 
 # %% ../nbs/00a_core.ipynb #c010b
 class InterruptGate:

@@ -187,7 +187,8 @@ class Learner:
         self.n_epoch = self.n_iter = self.epoch = self.iter = self.train_iter = self.start_epoch = self.skip_batches = 0
         self.pct_train, self.training = 0., False
         self.after_skipping = None  # called once the batches a resumed fit skips are drawn (see checkpoints)
-        self.cbs, self._event_tables, self._interrupts = [], ({}, {}), InterruptGate()
+        self.training_module = None  # what training batches call instead of `model`: a wrapper of it (data-parallel training)
+        self.cbs, self._event_tables, self.interrupts = [], ({}, {}), InterruptGate()
         self._events = {}
         self.add_cbs([make() for make in DEFAULT_CALLBACKS] if default_cbs else [TrainEvalCallback()])
         self.add_cbs(cbs or [])
@@ -353,7 +354,10 @@ def _device_note(model, xb):
 
 @patch
 def _forward(self:Learner):
-    try: return self.model(*self.xb)
+    # A wrapper that adds work of its own to training steps (DistributedDataParallel averages the gradients across
+    # processes) is called on training batches; the weights are always `model`'s, and validation calls `model` itself.
+    module = self.model if self.training_module is None or not self.training else self.training_module
+    try: return module(*self.xb)
     except RuntimeError as e:
         if 'device' in str(e): _add_note(e, _device_note(self.model, self.xb))
         raise
@@ -373,7 +377,7 @@ def _do_one_batch(self:Learner):
 
 @patch
 def _step(self:Learner):
-    self._interrupts.hold()  # released at the batch's end, in `_all_batches`
+    self.interrupts.hold()  # released at the batch's end, in `_all_batches`
     self.opt.step()
 
 @patch
@@ -386,7 +390,7 @@ def _split_batch(self:Learner, batch):
 def _all_batches(self:Learner):
     # A Ctrl-C during a training batch, its drawing from the loader included, waits for the batch's end: what is
     # saved then (random states too) is exactly what the next batch starts from.
-    if self.training: self._interrupts.hold()
+    if self.training: self.interrupts.hold()
     try:
         for self.iter, batch in enumerate(self.dl):
             if self.training and self.iter < self.skip_batches:  # done before the checkpoint a fit resumes from
@@ -397,9 +401,9 @@ def _all_batches(self:Learner):
             self._split_batch(batch)
             try: self._with_events(self._do_one_batch, 'batch', CancelBatchException)
             finally:
-                self._interrupts.release()  # raises a Ctrl-C held back during the batch, now that it is whole
-                if self.training: self._interrupts.hold()
-    finally: self._interrupts.release()
+                self.interrupts.release()  # raises a Ctrl-C held back during the batch, now that it is whole
+                if self.training: self.interrupts.hold()
+    finally: self.interrupts.release()
 
 @patch
 def _set_phase(self:Learner, training, dl):
@@ -526,7 +530,7 @@ def _fit(self:Learner, n_epoch, lr, wd, cbs, reset_opt, resume):
         if wd is not None: self.opt.set_hyper('wd', wd)
         self.n_epoch, self.start_epoch, self.skip_batches = n_epoch, 0, 0
         try:
-            with self._interrupts.installed(): self._with_events(self._do_fit, 'fit', CancelFitException)
+            with self.interrupts.installed(): self._with_events(self._do_fit, 'fit', CancelFitException)
         finally: self._cleanup()
 
 @patch

@@ -132,6 +132,7 @@ class NaNCapture(Callback):
         self.path = self._capture_path()
         self.check_every, self.rngs, self.sync_free = check_every, rngs, sync_free
         self.name, self.captured, self._readers, self._pending = 'nan_capture', None, rng_readers(), None
+        self.any_process = None  # when several processes train together: whether any of them found a non-finite gradient
 
     @property
     def step_rngs(self):
@@ -139,8 +140,11 @@ class NaNCapture(Callback):
         return list(self._readers)
 
     def _capture_path(self):
-        "The file to write, checked: a folder's file name has the rank of the process as it is now."
-        return os.fspath(check_save_path(self._target, capture_file_name(), 'NaNCapture path'))
+        "The file to write, checked: with the rank of the process as it is now when torch.distributed runs."
+        path = check_save_path(self._target, capture_file_name(), 'NaNCapture path')
+        if path.name != capture_file_name() and torch.distributed.is_available() and torch.distributed.is_initialized():
+            path = path.with_name(f"{path.stem}-rank{torch.distributed.get_rank()}{path.suffix}")
+        return os.fspath(path)
 
     def before_fit(self):
         # Checked again before the first step: the folder may have changed since, or torch.distributed started
@@ -175,7 +179,9 @@ class NaNCapture(Callback):
         grads = [g for p in self._params if (g := p.grad) is not None]
         if not grads: return
         if self._async_check is None:
-            if not self._check(grads): self._capture(nonfinite_grads(self._named))
+            finite = self._check(grads)
+            if self.any_process is not None: finite = not self.any_process(not finite)
+            if not finite: self._capture(nonfinite_grads(self._named))
             return
         if self._pending is not None: return  # the previous answer is still on its way: no second copy, no waiting
         names = [n for n, p in self._named if p.grad is not None]

@@ -20,7 +20,8 @@ LAYERS = [
     {'optimizer', 'optimizers', 'fast', 'interop'},
     {'momentum', 'optimizer_builder'},  # the running averages and paths on 2-D surfaces, taught right after the optimizer
     {'learner'},  # the callback core and the training loop
-    {'callbacks', 'schedule', 'effective_lr', 'sharpness', 'layer_stats', 'nan_capture', 'checkpoint', 'faults', 'testing', 'demo'},
+    {'callbacks', 'schedule', 'effective_lr', 'sharpness', 'layer_stats', 'nan_capture', 'checkpoint', 'faults',
+     'testing', 'demo', 'distributed'},
     {'dashboard_controls', 'dashboard_buffers', 'dashboard_plot', 'dashboard_widget',
      'dashboard'},  # widgets
     {'all'},

@@ -1,0 +1,275 @@
+"""Data-parallel training on two CPU processes (gloo): exact equality with one process and the doubled batch, reduced
+validation, NaN capture, checkpoints and Ctrl-C, and a rank that fails. The processes are forked from the test process
+(started in a fraction of a second); the failing rank and the notebook use `spawn`."""
+import math
+import os
+import signal
+import time
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
+
+from teachloop.callbacks import accuracy
+from teachloop.checkpoint import Checkpoint
+from teachloop.core import process_rank
+from teachloop.data import DataLoaders, digits_cnn, load_digits_tensors, tensor_dls
+from teachloop.distributed import RankFailed, check_world, digits_fit, nan_on_one_rank, run_ranks, shard_dls
+from teachloop.effective_lr import EffectiveLRTracker
+from teachloop.faults import TerminateOnNaN
+from teachloop.learner import Callback, Learner
+from teachloop.nan_capture import replay_nan
+from teachloop.optimizer import SGD, Adam
+from teachloop.random_state import set_seed
+
+FORK = dict(world_size=2, start_method='fork', timeout=120)
+SGD_MOM = partial(SGD, mom=0.9)
+
+
+def two_rank_fits():
+    "In each rank: SGD with momentum (tracking effective learning rates) and Adam under one-cycle, in float64."
+    tracker = EffectiveLRTracker(every=10)
+    sgd = digits_fit(32, 0.1, 2, SGD_MOM, False, torch.float64, [tracker])
+    sgd['lr_history'] = [(h['iter'], {k: v.tolist() for k, v in h['update_ratio'].items()},
+                          {k: v.tolist() for k, v in h['effective_lr'].items()}) for h in tracker.history]
+    adam = digits_fit(32, 3e-3, 2, Adam, True, torch.float64)
+    return sgd, adam
+
+
+@pytest.fixture(scope='module')
+def fits():
+    "The fits of two ranks with batches of 32, and of one process with batches of 64."
+    ranks = run_ranks(two_rank_fits, **FORK)
+    alone = digits_fit(64, 0.1, 2, SGD_MOM, False, torch.float64), digits_fit(64, 3e-3, 2, Adam, True, torch.float64)
+    return ranks, alone
+
+
+def test_two_ranks_equal_one_process_with_the_doubled_batch(fits):
+    ranks, alone = fits
+    for i, name in enumerate(('SGD with momentum', 'Adam with one-cycle')):
+        one, (rank0, rank1) = alone[i], (ranks[0][i], ranks[1][i])
+        for key, expected in one['weights'].items():
+            assert expected.dtype == torch.float64
+            assert torch.equal(rank0['weights'][key], rank1['weights'][key]), (name, key)
+            # float64 keeps ~16 digits; the sums of the two shards are added in another order than one batch's, and
+            # 46 steps amplify that little: 1e-10 leaves a factor of 1e5 for it
+            assert (rank0['weights'][key] - expected).abs().max() < 1e-10, (name, key)
+        # the loss of each step is the global batch's: the ranks' mean, recorded in float32 (`Recorder.losses`)
+        assert rank0['losses'] == rank1['losses'] and len(rank0['losses']) == len(one['losses'])
+        assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(rank0['losses'], one['losses']))
+
+
+def test_both_ranks_record_the_same_effective_learning_rates(fits):
+    ranks, _ = fits
+    histories = [ranks[r][0]['lr_history'] for r in (0, 1)]
+    assert len(histories[0]) > 2 and histories[0] == histories[1]
+
+
+def test_reduced_validation_equals_one_process_with_an_uneven_last_shard(fits):
+    ranks, alone = fits
+    valid = tensor_dls(*load_digits_tensors()).valid.dataset
+    assert len(valid) % 2 == 1  # 359 digits: shards of 180 and 179
+    for i in (0, 1):
+        for row0, row1, row in zip(ranks[0][i]['values'], ranks[1][i]['values'], alone[i]['values']):
+            assert row0[:4] == row1[:4]
+            # one process averages in float32 (relative error a few times 6e-8), the ranks sum in float64
+            for a, b in zip(row0[1:4], row[1:4]): assert math.isclose(a, b, rel_tol=1e-6), (row0, row)
+
+
+def test_a_nan_on_rank_one_stops_both_ranks_at_that_step(tmp_path):
+    at = 5
+    ranks = run_ranks(nan_on_one_rank, tmp_path, 1, at, **FORK)
+    assert [r['captured'] for r in ranks] == [str(tmp_path / f'nan-capture-rank{r}.pt') for r in (0, 1)]
+    assert all(r['train_iter'] == at and r['finite'] for r in ranks)
+    # either file replays in one process; rank 1's batch brings the NaN back, rank 0's alone does not
+    for rank, recurs in ((1, True), (0, False)):
+        assert torch.load(tmp_path / f'nan-capture-rank{rank}.pt', weights_only=True)['train_iter'] == at
+        fresh = Learner(tensor_dls(*load_digits_tensors(), bs=32), digits_cnn(), torch.nn.functional.cross_entropy,
+                        opt_func=SGD_MOM, lr=0.1)
+        report = replay_nan(fresh, tmp_path / f'nan-capture-rank{rank}.pt')
+        assert report.recurred == recurs and (report.epoch, report.iter) == (0, at)
+
+
+class CtrlC(Callback):
+    "A Ctrl-C that reaches rank `rank` alone at `event` of training step `at`."
+    def __init__(self, rank, at, event):
+        self.rank, self.at = rank, at
+        setattr(self, event, self.interrupt)
+    def interrupt(self):
+        if self.learn.training and self.learn.train_iter == self.at and process_rank() == self.rank:
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def digits_learner_fp32(*cbs):
+    set_seed(0)
+    learn = Learner(tensor_dls(*load_digits_tensors(), bs=32), digits_cnn(), torch.nn.functional.cross_entropy,
+                    opt_func=SGD_MOM, lr=0.1, metrics=[accuracy], cbs=list(cbs))
+    learn.progress.show_bar = learn.progress.print_rows = False
+    return learn
+
+
+def fit_and_report(learn, **kwargs):
+    with learn.distributed(): learn.fit_one_cycle(3, 0.1, **kwargs)
+    return {'weights': {k: v.clone() for k, v in learn.model.state_dict().items()},
+            'rows': [row[:4] for row in learn.recorder.values], 'losses': learn.recorder.losses}
+
+
+def interrupted_and_resumed(folder, at, event):
+    "A fit never stopped; one stopped by a Ctrl-C in rank 1 at step `at`; fits resumed from its file and from epoch 1's."
+    whole = fit_and_report(digits_learner_fp32(Checkpoint(folder / 'whole')))
+    learn = digits_learner_fp32(Checkpoint(folder / 'cut'))
+    try: fit_and_report(learn, cbs=[CtrlC(1, at, event)])
+    except KeyboardInterrupt: stopped_at = learn.train_iter
+    else: raise AssertionError("the Ctrl-C did not stop the fit")
+    dist.barrier()  # rank 0 writes interrupted.pt as its fit ends; the others read it below
+    from_ctrl_c = fit_and_report(digits_learner_fp32(Checkpoint(folder / 'again')), resume=folder / 'cut' / 'interrupted.pt')
+    from_epoch = fit_and_report(digits_learner_fp32(Checkpoint(folder / 'epoch')), resume=folder / 'cut' / 'epoch-001.pt')
+    return whole, from_ctrl_c, from_epoch, stopped_at
+
+
+# The ranks agree every 8 steps and at each epoch's end (steps 7, 15 and 22 of each epoch of 23): a Ctrl-C in rank 1
+# while it draws step 27's batch, or during step 30's optimizer step, stops both ranks after step 30 (the epoch's 8th).
+@pytest.mark.parametrize('event, at', [('before_batch', 27), ('after_step', 30)])
+def test_checkpoint_and_ctrl_c_on_two_ranks_resume_exactly(tmp_path, event, at):
+    ranks = run_ranks(interrupted_and_resumed, tmp_path, at, event, **FORK)
+    assert ranks[0][3] == ranks[1][3] == 31
+    assert sorted(p.name for p in (tmp_path / 'cut').iterdir()) == ['epoch-001.pt', 'interrupted.pt', 'latest.pt']
+    for whole, *resumed, _ in ranks:
+        for fit in resumed:
+            assert all(torch.equal(fit['weights'][k], w) for k, w in whole['weights'].items())
+            assert fit['rows'] == whole['rows'] and fit['losses'] == whole['losses']
+    assert all(torch.equal(ranks[0][0]['weights'][k], w) for k, w in ranks[1][0]['weights'].items())
+
+
+class Crash(Callback):
+    "Raise in rank `rank` at training step `at`."
+    def __init__(self, rank, at): self.rank, self.at = rank, at
+    def after_loss(self):
+        if self.learn.training and self.learn.train_iter == self.at and process_rank() == self.rank:
+            raise ValueError(f"rank {self.rank} broke at step {self.at}")
+
+
+def crash_on_rank_one():
+    return digits_fit(32, 0.1, 2, SGD_MOM, cbs=[Crash(1, 3)])
+
+
+def test_a_rank_that_raises_stops_the_others_with_a_clear_error():
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 raised ValueError: rank 1 broke at step 3") as failed:
+        run_ranks(crash_on_rank_one, world_size=2, timeout=120)  # spawned, as from a notebook
+    assert time.monotonic() - start < 60 and 'Traceback' in str(failed.value)
+
+
+def test_without_a_process_group_distributed_refuses_before_anything_changes(monkeypatch):
+    learn = digits_learner_fp32()
+    dls, cbs = learn.dls, list(learn.cbs)
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    with pytest.raises(ValueError, match='init_distributed'):
+        with learn.distributed(): learn.fit(1)
+    assert learn.dls is dls and learn.cbs == cbs and learn.opt is None
+
+
+class Stream(IterableDataset):
+    def __iter__(self): return iter([(torch.zeros(2), torch.zeros(1))] * 4)
+
+
+@pytest.mark.parametrize('train, message', [
+    ([(torch.zeros(4, 2), torch.zeros(4, 1))], 'not a torch DataLoader'),
+    (DataLoader(Stream(), batch_size=2), 'IterableDataset'),
+    (DataLoader(TensorDataset(torch.zeros(8, 2), torch.zeros(8, 1)), batch_size=2, sampler=range(8)), 'DistributedSampler'),
+])
+def test_loaders_a_sampler_cannot_share_out_are_refused_before_anything_changes(train, message):
+    set_seed(0)
+    learn = Learner(DataLoaders(train), torch.nn.Linear(2, 1), torch.nn.functional.mse_loss, default_cbs=False)
+    dls, weights = learn.dls, [p.clone() for p in learn.model.parameters()]
+    with pytest.raises(ValueError, match=message):
+        with learn.distributed(): learn.fit(1)
+    assert learn.dls is dls and learn.opt is None and all(torch.equal(a, b) for a, b in zip(weights, learn.model.parameters()))
+
+
+def test_alone_the_shards_are_the_whole_data_in_the_distributed_sampler_order():
+    dls = tensor_dls(*load_digits_tensors(), bs=32)
+    alone = shard_dls(dls, 0, 1)
+    sampler = alone.train.sampler
+    sampler.set_epoch(3)
+    expected = DistributedSampler(dls.train.dataset, num_replicas=1, rank=0, shuffle=True, seed=42)
+    expected.set_epoch(3)
+    assert list(sampler) == list(expected) and sorted(sampler) == list(range(len(dls.train.dataset)))
+    assert list(alone.valid.sampler) == list(range(len(dls.valid.dataset)))
+    check_world()  # alone, without WORLD_SIZE: nothing to join
+
+
+def nccl_fit():
+    return digits_fit(32, 0.1, 1, SGD_MOM, cbs=[])
+
+
+@pytest.mark.cuda
+def test_the_same_fit_on_gpus_with_nccl():
+    "One process per GPU (a single GPU is a world of 1, still through DDP and nccl): identical weights, a loss that falls."
+    ranks = run_ranks(nccl_fit, world_size=torch.cuda.device_count(), backend='nccl', timeout=300)
+    for rank in ranks[1:]:
+        assert all(torch.equal(w, ranks[0]['weights'][k]) for k, w in rank['weights'].items())
+    assert ranks[0]['values'][-1][2] < 2.0 and ranks[0]['values'][-1][3] > 0.5
+
+
+def quiet_except_rank_zero():
+    "What rank 1's progress callback shows during a fit and after the block, with rank 0's."
+    learn = digits_learner_fp32()
+    learn.progress.show_bar = learn.progress.print_rows = True
+    seen = []
+    class Look(Callback):
+        def after_epoch(self): seen.append((self.learn.progress.show_bar, self.learn.progress.print_rows))
+    with learn.distributed():
+        learn.fit(1, cbs=[Look()])
+        valid = learn.validate()  # outside a fit, in the block: each rank its shard, summed
+        weights = [p.clone() for p in learn.model.parameters()]
+        try: learn.fit(1, cbs=[TerminateOnNaN()])
+        except ValueError as e: refused = str(e) if all(torch.equal(a, b) for a, b in zip(weights, learn.model.parameters())) else None
+    return seen, (learn.progress.show_bar, learn.progress.print_rows), valid, learn.validate(), refused
+
+
+def test_only_rank_zero_shows_progress_and_rows_and_validate_sums_the_shards():
+    "And a callback that would stop one rank on its own loss is refused before the fit changes anything."
+    ranks = run_ranks(quiet_except_rank_zero, **FORK)
+    assert all('TerminateOnNaN would stop the fit' in rank[4] for rank in ranks)
+    assert ranks[0][:2] == ([(True, True)], (True, True)) and ranks[1][:2] == ([(False, False)], (True, True))
+    # after the block each rank validates on the whole set alone: the same numbers, to float32's rounding
+    assert ranks[0][2] == ranks[1][2] and all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(ranks[0][2], ranks[0][3]))
+
+
+def test_the_callback_alone_is_refused_before_anything_changes():
+    from teachloop.distributed import DataParallel
+    learn = digits_learner_fp32()
+    with pytest.raises(ValueError, match='learn.distributed'): learn.fit(1, cbs=[DataParallel()])
+    assert learn.opt is None and learn.train_iter == 0
+
+
+class Started(Callback):
+    "Write the file `started` into `folder` in rank 0 at training step `at`."
+    def __init__(self, folder, at): self.folder, self.at = folder, at
+    def after_batch(self):
+        if self.learn.training and self.learn.train_iter == self.at and process_rank() == 0:
+            (self.folder / 'started').touch()
+
+
+def long_fit(folder):
+    learn = digits_learner_fp32(Checkpoint(folder), Started(folder, 30))
+    with learn.distributed(): learn.fit(50)
+
+
+def interrupt_when_started(folder):
+    "Send this process a Ctrl-C once `folder/started` exists (the ranks are training)."
+    deadline = time.monotonic() + 60
+    while not (folder / 'started').exists() and time.monotonic() < deadline: time.sleep(0.02)
+    os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_a_ctrl_c_in_the_launching_process_stops_every_rank_after_the_same_batch(tmp_path):
+    "As 'interrupt kernel' in a notebook: `run_ranks` passes the Ctrl-C on, the ranks stop together, rank 0 saves."
+    import threading
+    threading.Thread(target=interrupt_when_started, args=(tmp_path,), daemon=True).start()
+    with pytest.raises(KeyboardInterrupt): run_ranks(long_fit, tmp_path, **FORK)
+    state = torch.load(tmp_path / 'interrupted.pt', weights_only=True)
+    assert state['progress']['resumable'] and 30 < state['progress']['train_iter'] < 50 * 23

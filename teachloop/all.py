@@ -9,12 +9,13 @@ __all__ = ['MODULES']
 from . import (
     callbacks, checkpoint, core, dashboard, dashboard_buffers, dashboard_controls, dashboard_plot, dashboard_widget,
     data, effective_lr, fast, faults, interop, learner, momentum, nan_capture, optimizer, optimizers, random_state,
-    schedule, testing)
+    recent_optimizers, schedule, testing)
 from .core import *
 from .random_state import *
 from .data import *
 from .optimizer import *
 from .optimizers import *
+from .recent_optimizers import *
 from .fast import *
 from .interop import *
 from .learner import *
@@ -32,7 +33,7 @@ from .dashboard_plot import *
 from .dashboard_widget import *
 from .dashboard import *
 
-MODULES = (core, random_state, data, optimizer, optimizers, fast, interop, learner, callbacks, schedule, effective_lr,
-           nan_capture, checkpoint, faults, testing, momentum, dashboard_controls, dashboard_buffers, dashboard_plot,
-           dashboard_widget, dashboard)
+MODULES = (core, random_state, data, optimizer, optimizers, recent_optimizers, fast, interop, learner, callbacks,
+           schedule, effective_lr, nan_capture, checkpoint, faults, testing, momentum, dashboard_controls,
+           dashboard_buffers, dashboard_plot, dashboard_widget, dashboard)
 __all__ = [name for module in MODULES for name in module.__all__]

@@ -12,15 +12,17 @@ from functools import partial
 import torch
 from torch import nn
 
-from .fast import TensorGroup, multi_tensor_version_of
+from .fast import multi_tensor_version_of, per_step_count
 from .optimizer import (ABOVE_0, AT_LEAST_0, IN_0_1, Optimizer, adam_step, average_grad, average_sqr_grad,
                                  declare_callback, step_stat, weight_decay)
 
 # %% auto #0
-__all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'newton_schulz', 'momentum_direction', 'orthogonalize_grad',
-           'shape_scaled_step', 'muon_lr_ratio', 'check_muon_params', 'check_adjust_lr', 'Muon', 'GroupedOptimizer',
-           'muon_splitter', 'MuonAdamW', 'by_shape', 'momentum_direction_multi', 'orthogonalize_grad_multi',
-           'shape_scaled_step_multi']
+__all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'AT_MOST_0', 'AT_LEAST_1', 'newton_schulz', 'momentum_direction',
+           'orthogonalize_grad', 'shape_scaled_step', 'muon_lr_ratio', 'check_muon_params', 'check_adjust_lr', 'Muon',
+           'GroupedOptimizer', 'muon_splitter', 'MuonAdamW', 'by_shape', 'momentum_direction_multi',
+           'orthogonalize_grad_multi', 'shape_scaled_step_multi', 'relative_step_size', 'factored_sqr_grad',
+           'adafactor_step', 'sqr_grad_estimate', 'Adafactor', 'vectors_and_matrices', 'relative_step_size_multi',
+           'factored_sqr_grad_multi', 'adafactor_step_multi']
 
 # %% ../nbs/07a_recent_optimizers.ipynb #c004
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # Keller Jordan's quintic: slope 3.4 at zero, torch.optim.Muon's default
@@ -175,3 +177,100 @@ def shape_scaled_step_multi(group, lr, adjust_lr, **kwargs):
     "`shape_scaled_step` on every tensor of the group at once, one call per shape."
     for shape, subgroup in by_shape(group).items():
         torch._foreach_add_(subgroup.params, subgroup.grads, alpha=-lr * muon_lr_ratio(shape, adjust_lr))
+
+# %% ../nbs/07a_recent_optimizers.ipynb #c031
+AT_MOST_0 = (lambda v: v <= 0, "must be <= 0")
+AT_LEAST_1 = (lambda v: v >= 1, "must be >= 1")
+
+def relative_step_size(p, lr, step, eps2, **kwargs):
+    "Adafactor's step size: the root-mean-square of `p` (at least `eps2`) times min(`lr`, 1/sqrt(step)), as a tensor."
+    rms = torch.linalg.vector_norm(p) / math.sqrt(p.numel())
+    return {'step_size': rms.clamp(min=eps2) * min(lr, step ** -0.5)}
+declare_callback(relative_step_size, hypers={'lr': AT_LEAST_0, 'eps2': AT_LEAST_0}, effective_lr=None)
+
+def factored_sqr_grad(p, step, beta2_decay, row_var=None, col_var=None, sqr_avg=None, **kwargs):
+    "Running mean squares of the gradient: of each row and each column for a matrix (last two dimensions), else in full."
+    grad, new_weight = p.grad, step ** beta2_decay
+    if grad.dim() < 2:
+        if sqr_avg is None: sqr_avg = torch.zeros_like(grad)
+        return {'sqr_avg': sqr_avg.lerp_(grad * grad, new_weight)}
+    if row_var is None: row_var, col_var = grad.new_zeros(*grad.shape[:-1], 1), grad.new_zeros(*grad.shape[:-2], 1, grad.shape[-1])
+    row_var.lerp_(torch.linalg.vector_norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1)), new_weight)
+    col_var.lerp_(torch.linalg.vector_norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2)), new_weight)
+    return {'row_var': row_var, 'col_var': col_var}
+declare_callback(factored_sqr_grad, hypers={'beta2_decay': AT_MOST_0}, effective_lr=None)
+
+def adafactor_step(p, step_size, d, eps1, row_var=None, col_var=None, sqr_avg=None, **kwargs):
+    "Step by the gradient over the root of the estimate, clipped to a root-mean-square of `d`, times `step_size`."
+    floor = torch.finfo(p.dtype).eps if eps1 is None else eps1
+    update = sqr_grad_estimate(p, eps1, row_var, col_var, sqr_avg).clamp_(min=floor * floor).rsqrt_().mul_(p.grad)
+    clip = (torch.linalg.vector_norm(update) / (math.sqrt(update.numel()) * d)).clamp_(min=1.)
+    p.sub_(update.mul_(step_size / clip))
+declare_callback(adafactor_step, hypers={'d': AT_LEAST_1},
+                 effective_lr=lambda p, state, eps1, **hypers: state['step_size'] * sqr_grad_estimate(
+                     p, eps1, state.get('row_var'), state.get('col_var'), state.get('sqr_avg')).rsqrt())
+
+def sqr_grad_estimate(p, eps1, row_var=None, col_var=None, sqr_avg=None):
+    "Adafactor's estimate of the mean square of each gradient entry: R C^T / mean(R) for a matrix, else the average."
+    eps1 = torch.finfo(p.dtype).eps if eps1 is None else eps1
+    if sqr_avg is not None: return sqr_avg.clone()
+    return (row_var @ col_var).div_(row_var.mean(dim=-2, keepdim=True).clamp_(min=eps1))
+
+# %% ../nbs/07a_recent_optimizers.ipynb #c032
+def Adafactor(params, lr=1e-2, beta2_decay=-0.8, eps1=None, eps2=1e-3, d=1., wd=0., fast=None):
+    "Adafactor (Shazeer and Stern 2018) as `torch.optim.Adafactor`; `eps1=None` is the dtype's machine epsilon."
+    if eps1 is not None and not eps1 >= 0: raise ValueError(f"eps1 must be None (the dtype's epsilon) or >= 0, got {eps1}")
+    cbs = [step_stat, relative_step_size, weight_decay, factored_sqr_grad, adafactor_step]
+    return Optimizer(params, cbs, fast=fast, lr=lr, beta2_decay=beta2_decay, eps1=eps1, eps2=eps2, d=d, wd=wd)
+
+# %% ../nbs/07a_recent_optimizers.ipynb #c034
+def vectors_and_matrices(group):
+    "The `TensorGroup` split into its parameters of fewer than two dimensions and the others."
+    vectors = [i for i, p in enumerate(group.params) if p.dim() < 2]
+    return group.subset(vectors), group.subset([i for i in range(len(group)) if i not in set(vectors)])
+
+def _tensor_of(values, like):
+    return torch.tensor(values, dtype=like.dtype, device=like.device)
+
+@multi_tensor_version_of(relative_step_size)
+@per_step_count
+def relative_step_size_multi(group, lr, step, eps2, **kwargs):
+    "`relative_step_size` on every tensor of the group at once."
+    sizes = _tensor_of([math.sqrt(p.numel()) for p in group.params], group.params[0])
+    scales = (torch.stack(torch._foreach_norm(group.params)) / sizes).clamp_(min=eps2) * min(lr, step ** -0.5)
+    for state, scale in zip(group.states, scales.unbind()): state['step_size'] = scale
+
+def _mean_squares(grads, dim):
+    means = [torch.linalg.vector_norm(g, dim=dim, keepdim=True) for g in grads]
+    torch._foreach_mul_(means, means)
+    torch._foreach_div_(means, [float(g.size(dim)) for g in grads])
+    return means
+
+@multi_tensor_version_of(factored_sqr_grad)
+@per_step_count
+def factored_sqr_grad_multi(group, step, beta2_decay, **kwargs):
+    "`factored_sqr_grad` on every tensor of the group at once (the norms of rows and columns one tensor at a time)."
+    new_weight, (vectors, matrices) = step ** beta2_decay, vectors_and_matrices(group)
+    if len(vectors):
+        torch._foreach_lerp_(vectors.state_tensors('sqr_avg'), torch._foreach_mul(vectors.grads, vectors.grads), new_weight)
+    if len(matrices):
+        rows = matrices.state_tensors('row_var', lambda p: p.new_zeros(*p.shape[:-1], 1))
+        cols = matrices.state_tensors('col_var', lambda p: p.new_zeros(*p.shape[:-2], 1, p.shape[-1]))
+        torch._foreach_lerp_(rows, _mean_squares(matrices.grads, -1), new_weight)
+        torch._foreach_lerp_(cols, _mean_squares(matrices.grads, -2), new_weight)
+
+@multi_tensor_version_of(adafactor_step)
+def adafactor_step_multi(group, d, eps1, **kwargs):
+    "`adafactor_step` on every tensor of the group at once."
+    first = group.params[0]
+    floor = torch.finfo(first.dtype).eps if eps1 is None else eps1
+    updates = [sqr_grad_estimate(p, eps1, s.get('row_var'), s.get('col_var'), s.get('sqr_avg'))
+               for p, s in zip(group.params, group.states)]
+    torch._foreach_clamp_min_(updates, floor * floor)
+    torch._foreach_rsqrt_(updates)
+    torch._foreach_mul_(updates, group.grads)
+    sizes = _tensor_of([math.sqrt(u.numel()) * d for u in updates], first)
+    clips = (torch.stack(torch._foreach_norm(updates)) / sizes).clamp_(min=1.)
+    scales = torch.stack([s['step_size'] for s in group.states]) / clips
+    torch._foreach_mul_(updates, list(scales.unbind()))
+    torch._foreach_sub_(group.params, updates)

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teachloop.recent_optimizers import GroupedOptimizer, Muon, MuonAdamW, muon_splitter, newton_schulz
+from teachloop.recent_optimizers import Adafactor, GroupedOptimizer, Muon, MuonAdamW, muon_splitter, newton_schulz
 from teachloop.testing import digits_batches
 
 N_STEPS = 40
@@ -117,3 +117,37 @@ def test_muon_adamw_from_a_learner_saves_and_loads(tmp_path):
     p = learn.model[3].weight
     assert torch.equal(other.opt.state[other.model[3].weight]['grad_avg'], learn.opt.state[p]['grad_avg'])
     assert [g['kind'] for g in other.opt.param_groups] == ['muon', 'adamw']
+
+
+# ---- Adafactor
+
+def digits_cnn_double():
+    from teachloop.data import digits_cnn
+    torch.manual_seed(0)
+    return digits_cnn().double()  # 4-D filters (factored over their last two dimensions), biases, a head
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize('hypers', [{}, {'lr': 3e-3, 'wd': 0.1, 'd': 2.}, {'eps1': 1e-30, 'eps2': 1e-2, 'beta2_decay': -0.5}])
+@pytest.mark.parametrize('fast', [False, True])
+def test_adafactor_matches_torch(hypers, fast, batches):
+    start = digits_cnn_double()
+    ours, theirs = copy.deepcopy(start), copy.deepcopy(start)
+    train(ours, [Adafactor(ours.parameters(), fast=fast, **hypers)], batches)
+    renamed = {{'wd': 'weight_decay'}.get(k, k): v for k, v in hypers.items() if k not in ('eps1', 'eps2')}
+    eps = (hypers.get('eps1'), hypers.get('eps2', 1e-3))
+    train(theirs, [torch.optim.Adafactor(theirs.parameters(), eps=eps, foreach=fast, **renamed)], batches)
+    # float64; torch reads the step size back to the host and applies it with `add_(alpha=)`, we keep it a tensor and
+    # multiply: each rounds once per operation at 1e-16, and 40 steps leave the weights within 1e-12 of each other,
+    # while any real difference (a misplaced weight decay, clipping, t**-0.8) moves them by more than 1e-6
+    assert max_diff(ours, theirs) <= 1e-12 and max_diff(ours, start) > 1e-3
+
+
+def test_adafactor_keeps_rows_and_columns():
+    w = nn.Parameter(torch.randn(5, 7))
+    opt = Adafactor([w])
+    w.grad = torch.randn(5, 7)
+    opt.step()
+    assert opt.state[w]['row_var'].shape == (5, 1) and opt.state[w]['col_var'].shape == (1, 7)
+    for bad in ({'beta2_decay': 0.5}, {'d': 0.5}, {'eps1': -1.}, {'eps2': -1.}):
+        with pytest.raises(ValueError): Adafactor([w], **bad)

@@ -14,15 +14,17 @@ from torch import nn
 
 from .fast import multi_tensor_version_of, per_step_count
 from .optimizer import (ABOVE_0, AT_LEAST_0, IN_0_1, Optimizer, adam_step, average_grad, average_sqr_grad,
-                                 declare_callback, step_stat, weight_decay)
+                                 debias, declare_callback, step_stat, weight_decay)
 
 # %% auto #0
-__all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'AT_MOST_0', 'AT_LEAST_1', 'newton_schulz', 'momentum_direction',
-           'orthogonalize_grad', 'shape_scaled_step', 'muon_lr_ratio', 'check_muon_params', 'check_adjust_lr', 'Muon',
-           'GroupedOptimizer', 'muon_splitter', 'MuonAdamW', 'by_shape', 'momentum_direction_multi',
-           'orthogonalize_grad_multi', 'shape_scaled_step_multi', 'relative_step_size', 'factored_sqr_grad',
-           'adafactor_step', 'sqr_grad_estimate', 'Adafactor', 'vectors_and_matrices', 'relative_step_size_multi',
-           'factored_sqr_grad_multi', 'adafactor_step_multi']
+__all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'AT_MOST_0', 'AT_LEAST_1', 'WHOLE_AT_LEAST_0', 'newton_schulz',
+           'momentum_direction', 'orthogonalize_grad', 'shape_scaled_step', 'muon_lr_ratio', 'check_muon_params',
+           'check_adjust_lr', 'Muon', 'GroupedOptimizer', 'muon_splitter', 'MuonAdamW', 'by_shape',
+           'momentum_direction_multi', 'orthogonalize_grad_multi', 'shape_scaled_step_multi', 'relative_step_size',
+           'factored_sqr_grad', 'adafactor_step', 'sqr_grad_estimate', 'Adafactor', 'vectors_and_matrices',
+           'relative_step_size_multi', 'factored_sqr_grad_multi', 'adafactor_step_multi', 'slow_mom_at',
+           'slow_average_grad', 'slow_mix_at', 'ademamix_step', 'AdEMAMix', 'slow_average_grad_multi',
+           'ademamix_step_multi']
 
 # %% ../nbs/07a_recent_optimizers.ipynb #c004
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # Keller Jordan's quintic: slope 3.4 at zero, torch.optim.Muon's default
@@ -274,3 +276,63 @@ def adafactor_step_multi(group, d, eps1, **kwargs):
     scales = torch.stack([s['step_size'] for s in group.states]) / clips
     torch._foreach_mul_(updates, list(scales.unbind()))
     torch._foreach_sub_(group.params, updates)
+
+# %% ../nbs/07a_recent_optimizers.ipynb #c039
+WHOLE_AT_LEAST_0 = (lambda v: v >= 0 and v == int(v), "must be a whole number >= 0")
+
+def slow_mom_at(step, mom, slow_mom, warmup):
+    "AdEMAMix's beta3 after `step` steps: from `mom` to `slow_mom`, its half-life growing linearly over `warmup` steps."
+    if step >= warmup: return slow_mom
+    done = step / warmup
+    grown = math.log(mom) * math.log(slow_mom) / ((1 - done) * math.log(slow_mom) + done * math.log(mom))
+    return min(math.exp(grown), slow_mom)
+
+def slow_average_grad(p, step, mom, slow_mom, slow_mom_warmup, slow_avg=None, **kwargs):
+    "Keep AdEMAMix's slow running average of the gradients in `slow_avg`."
+    if slow_avg is None: slow_avg = torch.zeros_like(p.grad)
+    return {'slow_avg': slow_avg.lerp_(p.grad, 1 - slow_mom_at(step, mom, slow_mom, slow_mom_warmup))}
+declare_callback(slow_average_grad, hypers={'mom': IN_0_1, 'slow_mom': IN_0_1, 'slow_mom_warmup': WHOLE_AT_LEAST_0},
+                 effective_lr=None)
+
+def slow_mix_at(step, slow_mix, warmup):
+    "AdEMAMix's alpha after `step` steps: rising linearly from 0 to `slow_mix` over `warmup` steps."
+    return slow_mix * min(1., step / warmup) if warmup else slow_mix
+
+def _adam_denominator(sqr_avg, sqr_mom, step, eps):
+    return (sqr_avg.sqrt() / math.sqrt(debias(sqr_mom, 1 - sqr_mom, step))).add_(eps)
+
+def ademamix_step(p, lr, mom, sqr_mom, step, grad_avg, slow_avg, sqr_avg, eps, slow_mix, slow_mix_warmup, **kwargs):
+    "AdEMAMix's update: Adam's debiased average plus `slow_mix` times the slow average, over Adam's denominator."
+    numerator = (grad_avg / debias(mom, 1 - mom, step)).add_(slow_avg, alpha=slow_mix_at(step, slow_mix, slow_mix_warmup))
+    p.addcdiv_(numerator, _adam_denominator(sqr_avg, sqr_mom, step, eps), value=-lr)
+declare_callback(ademamix_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0,
+                                        'slow_mix': AT_LEAST_0, 'slow_mix_warmup': WHOLE_AT_LEAST_0},
+                 effective_lr=lambda p, state, lr, sqr_mom, eps, **hypers: lr / _adam_denominator(
+                     state['sqr_avg'], sqr_mom, state['step'], eps))
+
+def AdEMAMix(params, lr=1e-3, mom=0.9, sqr_mom=0.999, slow_mom=0.9999, slow_mix=5., slow_mix_warmup=0,
+             slow_mom_warmup=0, eps=1e-8, wd=0., fast=None):
+    "AdEMAMix (Pagliardini et al. 2024): AdamW plus `slow_mix` times a slow average, both warmed up over their steps."
+    cbs = [weight_decay, partial(average_grad, dampening=True), average_sqr_grad, step_stat, slow_average_grad,
+           ademamix_step]
+    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, slow_mom=slow_mom, slow_mix=slow_mix,
+                     slow_mix_warmup=slow_mix_warmup, slow_mom_warmup=slow_mom_warmup, eps=eps, wd=wd)
+
+# %% ../nbs/07a_recent_optimizers.ipynb #c047
+@multi_tensor_version_of(slow_average_grad)
+@per_step_count
+def slow_average_grad_multi(group, step, mom, slow_mom, slow_mom_warmup, **kwargs):
+    "`slow_average_grad` on every tensor of the group at once."
+    weight = 1 - slow_mom_at(step, mom, slow_mom, slow_mom_warmup)
+    torch._foreach_lerp_(group.state_tensors('slow_avg'), group.grads, weight)
+
+@multi_tensor_version_of(ademamix_step)
+@per_step_count
+def ademamix_step_multi(group, lr, mom, sqr_mom, eps, step, slow_mix, slow_mix_warmup, **kwargs):
+    "`ademamix_step` on every tensor of the group at once."
+    numerators = torch._foreach_div(group.state_tensors('grad_avg'), debias(mom, 1 - mom, step))
+    torch._foreach_add_(numerators, group.state_tensors('slow_avg'), alpha=slow_mix_at(step, slow_mix, slow_mix_warmup))
+    denominators = torch._foreach_sqrt(group.state_tensors('sqr_avg'))
+    torch._foreach_div_(denominators, math.sqrt(debias(sqr_mom, 1 - sqr_mom, step)))
+    torch._foreach_add_(denominators, eps)
+    torch._foreach_addcdiv_(group.params, numerators, denominators, value=-lr)

@@ -14,7 +14,7 @@ from torch import nn
 
 from .fast import multi_tensor_version_of, per_step_count
 from .optimizer import (ABOVE_0, AT_LEAST_0, IN_0_1, Optimizer, adam_step, average_grad, average_sqr_grad,
-                                 debias, declare_callback, step_stat, weight_decay)
+                                 debias, declare_callback, l2_reg, step_stat, weight_decay)
 
 # %% auto #0
 __all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'AT_MOST_0', 'AT_LEAST_1', 'WHOLE_AT_LEAST_0', 'newton_schulz',
@@ -24,7 +24,9 @@ __all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'AT_MOST_0', 'AT_LEA
            'factored_sqr_grad', 'adafactor_step', 'sqr_grad_estimate', 'Adafactor', 'vectors_and_matrices',
            'relative_step_size_multi', 'factored_sqr_grad_multi', 'adafactor_step_multi', 'slow_mom_at',
            'slow_average_grad', 'slow_mix_at', 'ademamix_step', 'AdEMAMix', 'slow_average_grad_multi',
-           'ademamix_step_multi']
+           'ademamix_step_multi', 'schedule_free_weights', 'rms_normalize_grad', 'schedule_free_step',
+           'ScheduleFreeOptimizer', 'ScheduleFreeAdamW', 'ScheduleFreeSGD', 'each_parameter',
+           'rms_normalize_grad_multi', 'schedule_free_step_multi', 'recompute_batchnorm']
 
 # %% ../nbs/07a_recent_optimizers.ipynb #c004
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # Keller Jordan's quintic: slope 3.4 at zero, torch.optim.Muon's default
@@ -336,3 +338,131 @@ def ademamix_step_multi(group, lr, mom, sqr_mom, eps, step, slow_mix, slow_mix_w
     torch._foreach_div_(denominators, math.sqrt(debias(sqr_mom, 1 - sqr_mom, step)))
     torch._foreach_add_(denominators, eps)
     torch._foreach_addcdiv_(group.params, numerators, denominators, value=-lr)
+
+# %% ../nbs/07a_recent_optimizers.ipynb #c051
+def schedule_free_weights(p, lr, step, warmup_steps, r, weight_lr_power, lr_max=-1., weight_sum=0., **kwargs):
+    "The warmed-up learning rate and the weight of this step in Schedule-Free's average of the iterates."
+    scheduled_lr = lr * min(1., step / warmup_steps) if warmup_steps else lr
+    lr_max = max(scheduled_lr, lr_max)
+    weight = step ** r * lr_max ** weight_lr_power
+    weight_sum += weight
+    return {'scheduled_lr': scheduled_lr, 'lr_max': lr_max, 'weight_sum': weight_sum,
+            'average_weight': weight / weight_sum if weight_sum else 0.}
+declare_callback(schedule_free_weights, hypers={'lr': AT_LEAST_0, 'warmup_steps': WHOLE_AT_LEAST_0, 'r': AT_LEAST_0,
+                                                'weight_lr_power': AT_LEAST_0}, effective_lr=None)
+
+def rms_normalize_grad(p, sqr_mom, step, eps, sqr_avg, **kwargs):
+    "Divide the gradient by Adam's denominator, the root of the debiased average square plus `eps`."
+    p.grad.div_(_adam_denominator(sqr_avg, sqr_mom, step, eps))
+declare_callback(rms_normalize_grad, hypers={'sqr_mom': IN_0_1, 'eps': ABOVE_0},
+                 effective_lr=lambda p, state, sqr_mom, eps, **hypers: 1 / _adam_denominator(
+                     state['sqr_avg'], sqr_mom, state['step'], eps))
+
+def schedule_free_step(p, mom, scheduled_lr, average_weight, z=None, **kwargs):
+    "Move `p` (the point y) and the fast iterate `z` by Schedule-Free's update, without forming the average x."
+    if z is None: z = p.detach().clone()
+    p.lerp_(z, average_weight)
+    p.add_(p.grad, alpha=scheduled_lr * (mom * (1 - average_weight) - 1))
+    z.sub_(p.grad, alpha=scheduled_lr)
+    return {'z': z}
+declare_callback(schedule_free_step, hypers={'mom': IN_0_1},
+                 effective_lr=lambda p, state, **hypers: torch.full_like(p, state['scheduled_lr']))
+
+# %% ../nbs/07a_recent_optimizers.ipynb #c052
+class ScheduleFreeOptimizer(Optimizer):
+    "An `Optimizer` running Schedule-Free callbacks: `eval()` puts the average x in the parameters, `train()` the point y."
+    def __init__(self, params, cbs, fast=None, **defaults):
+        super().__init__(params, cbs, fast=fast, train_mode=True, **defaults)
+        for group in self.param_groups:
+            if not group['mom'] > 0: raise ValueError(f"Schedule-Free needs mom > 0 (x = (y - (1-mom) z) / mom), got {group['mom']}")
+
+    @torch.no_grad()
+    def _switch(self, training):
+        for group in self.param_groups:
+            if group['train_mode'] == training: continue
+            weight = 1 - group['mom'] if training else 1 - 1 / group['mom']
+            for p in group['params']:
+                if 'z' in self.state[p]: p.lerp_(self.state[p]['z'], weight)
+            group['train_mode'] = training
+
+    def train(self):
+        "Put the point y, where gradients are taken, in the parameters (a no-op if it is there)."
+        self._switch(True)
+
+    def eval(self):
+        "Put the average x, the weights to evaluate, in the parameters (a no-op if it is there)."
+        self._switch(False)
+
+    def step(self, closure=None):
+        "Take a step; refused in eval mode, where the parameters hold x instead of y."
+        if not all(group['train_mode'] for group in self.param_groups):
+            raise RuntimeError("this Schedule-Free optimizer is in eval mode (its parameters hold the average x): call "
+                               "`opt.train()` before stepping (a Learner does it at the start of each training phase)")
+        return super().step(closure)
+
+def ScheduleFreeAdamW(params, lr=2.5e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., warmup_steps=0, r=0.,
+                      weight_lr_power=2., fast=None):
+    "Schedule-Free AdamW (Defazio et al. 2024), with the defaults of the `schedulefree` package."
+    cbs = [step_stat, schedule_free_weights, average_sqr_grad, rms_normalize_grad, l2_reg, schedule_free_step]
+    return ScheduleFreeOptimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
+                                 warmup_steps=warmup_steps, r=r, weight_lr_power=weight_lr_power)
+
+def ScheduleFreeSGD(params, lr=1., mom=0.9, wd=0., warmup_steps=0, r=0., weight_lr_power=2., fast=None):
+    "Schedule-Free SGD (Defazio et al. 2024), with the defaults of the `schedulefree` package."
+    cbs = [step_stat, schedule_free_weights, l2_reg, schedule_free_step]
+    return ScheduleFreeOptimizer(params, cbs, fast=fast, lr=lr, mom=mom, wd=wd, warmup_steps=warmup_steps, r=r,
+                                 weight_lr_power=weight_lr_power)
+
+# %% ../nbs/07a_recent_optimizers.ipynb #c054
+def each_parameter(callback):
+    "A multi-tensor version of `callback` that runs it on each parameter in turn, for callbacks with no batched form."
+    def run(group, **hypers):
+        for p, state in zip(group.params, group.states):
+            new_state = callback(p, **{**state, **hypers})
+            if new_state: state.update(new_state)
+    run.__name__, run.__doc__ = f"{callback.__name__}_each", f"`{callback.__name__}` on each tensor of the group in turn."
+    return run
+
+multi_tensor_version_of(schedule_free_weights)(each_parameter(schedule_free_weights))
+
+@multi_tensor_version_of(rms_normalize_grad)
+@per_step_count
+def rms_normalize_grad_multi(group, sqr_mom, eps, step, **kwargs):
+    "`rms_normalize_grad` on every tensor of the group at once."
+    denominators = torch._foreach_sqrt(group.state_tensors('sqr_avg'))
+    torch._foreach_div_(denominators, math.sqrt(debias(sqr_mom, 1 - sqr_mom, step)))
+    torch._foreach_add_(denominators, eps)
+    torch._foreach_div_(group.grads, denominators)
+
+@multi_tensor_version_of(schedule_free_step)
+def schedule_free_step_multi(group, mom, **kwargs):
+    "`schedule_free_step` on every tensor of the group at once (one call per distinct learning rate and weight)."
+    indices = {}
+    for i, state in enumerate(group.states): indices.setdefault((state['scheduled_lr'], state['average_weight']), []).append(i)
+    for (lr, weight), idx in indices.items():
+        part = group.subset(idx)
+        zs = part.state_tensors('z', lambda p: p.detach().clone())
+        torch._foreach_lerp_(part.params, zs, weight)
+        torch._foreach_add_(part.params, part.grads, alpha=lr * (mom * (1 - weight) - 1))
+        torch._foreach_sub_(zs, part.grads, alpha=lr)
+
+# %% ../nbs/07a_recent_optimizers.ipynb #c062
+@torch.no_grad()
+def recompute_batchnorm(model,  # the model, holding the weights to evaluate
+                        inputs,  # an iterable of input tuples for the model (training batches without targets)
+                        n_batches=50,  # how many of them to run
+                       ):
+    "Recompute the running statistics of `model`'s BatchNorm layers as their average over `n_batches` of `inputs`."
+    layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    if not layers: return 0
+    momenta, was_training, seen = [m.momentum for m in layers], model.training, 0
+    for m in layers: m.reset_running_stats(); m.momentum = None
+    model.train()
+    try:
+        for batch in inputs:
+            if seen == n_batches: break
+            model(*batch); seen += 1
+    finally:
+        for m, momentum in zip(layers, momenta): m.momentum = momentum
+        model.train(was_training)
+    return seen

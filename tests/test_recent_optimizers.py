@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teachloop.recent_optimizers import AdEMAMix, Adafactor, GroupedOptimizer, Muon, MuonAdamW, muon_splitter, newton_schulz
+from teachloop.recent_optimizers import (AdEMAMix, Adafactor, GroupedOptimizer, Muon, MuonAdamW, ScheduleFreeAdamW,
+                                         ScheduleFreeSGD, muon_splitter, newton_schulz)
 from teachloop.testing import digits_batches
 
 N_STEPS = 40
@@ -212,3 +213,110 @@ def test_ademamix_schedules_and_bad_hypers():
     w = nn.Parameter(torch.zeros(3))
     for bad in ({'slow_mom': 1.}, {'slow_mix': -1.}, {'slow_mix_warmup': 2.5}, {'slow_mom_warmup': -1}):
         with pytest.raises(ValueError): AdEMAMix([w], **bad)
+
+
+# ---- Schedule-Free
+
+@pytest.mark.numeric
+@pytest.mark.parametrize('kind, hypers', [
+    ('adamw', dict(lr=2e-3)), ('adamw', dict(lr=2e-3, wd=0.05, warmup_steps=10, r=1., weight_lr_power=1., mom=0.8)),
+    ('sgd', dict(lr=0.05)), ('sgd', dict(lr=0.05, wd=0.01, warmup_steps=10, r=0.5, mom=0.95))])
+@pytest.mark.parametrize('fast', [False, True])
+def test_schedule_free_matches_the_package(kind, hypers, fast, batches):
+    schedulefree = pytest.importorskip('schedulefree')  # a test-only dependency (pyproject's `dev` extra)
+    start = digits_cnn_double()
+    ours, theirs = copy.deepcopy(start), copy.deepcopy(start)
+    make = ScheduleFreeAdamW if kind == 'adamw' else ScheduleFreeSGD
+    opt = make(ours.parameters(), fast=fast, **hypers)
+    renamed = {{'wd': 'weight_decay', 'mom': 'betas' if kind == 'adamw' else 'momentum'}.get(k, k): v
+               for k, v in hypers.items()}
+    if kind == 'adamw' and 'betas' in renamed: renamed['betas'] = (renamed['betas'], 0.999)
+    reference = (schedulefree.AdamWScheduleFree if kind == 'adamw' else schedulefree.SGDScheduleFree)(
+        theirs.parameters(), foreach=fast, **renamed)
+    reference.train()  # the package starts in eval mode
+    for i, half in enumerate((batches[:N_STEPS // 2], batches[N_STEPS // 2:])):
+        train(ours, [opt], half)
+        train(theirs, [reference], half)
+        # float64, the same operations but for Adam's denominator (sqrt(v)/sqrt(bc) against sqrt(v/bc)): 1e-6 as the
+        # issue asks is far above the 1e-16 roundings, and far below what a wrong weight or decay moves (1e-3)
+        assert max_diff(ours, theirs) <= 1e-6 and max_diff(ours, start) > 1e-3
+        opt.eval(); reference.eval()
+        assert max_diff(ours, theirs) <= 1e-6  # the averages x agree too
+        opt.train(); reference.train()
+
+
+def test_schedule_free_eval_and_train_swap_the_average_in_and_out():
+    w = nn.Parameter(torch.randn(4, dtype=torch.float64))
+    opt = ScheduleFreeSGD([w], lr=0.1)
+    opt.eval(); opt.train()  # before any step there is no z: both are no-ops
+    for _ in range(5):
+        w.grad = w.detach() * 2
+        opt.step()
+    y, z = w.detach().clone(), opt.state[w]['z']
+    opt.eval()
+    x = w.detach().clone()
+    assert torch.allclose(y, 0.1 * z + 0.9 * x)  # y = (1 - mom) z + mom x
+    opt.eval()
+    assert torch.equal(w, x)  # a second eval() changes nothing
+    with pytest.raises(RuntimeError, match='opt.train()'): opt.step()
+    opt.train()
+    assert torch.allclose(w, y, atol=1e-15)
+    with pytest.raises(ValueError, match='mom > 0'): ScheduleFreeSGD([w], mom=0.)
+
+
+class ModeProbe:
+    "Records the optimizer's train_mode at each training and each validation batch."
+    def __init__(self): self.seen = {True: set(), False: set()}
+
+
+def probe_callback(probe):
+    from teachloop.learner import Callback
+    class Probe(Callback):
+        def after_batch(self):
+            probe.seen[self.training].update(group['train_mode'] for group in self.opt.param_groups)
+    return Probe()
+
+
+def test_the_learner_trains_at_y_and_evaluates_at_x():
+    from teachloop.testing import digits_learner
+    probe = ModeProbe()
+    learn = digits_learner(probe_callback(probe), opt_func=ScheduleFreeAdamW, lr=3e-3)
+    learn.fit(2)
+    assert probe.seen == {True: {True}, False: {False}}
+    assert all(not group['train_mode'] for group in learn.opt.param_groups)  # a fit ends at x
+    x = [p.detach().clone() for p in learn.model.parameters()]
+    valid_loss = learn.validate()[0]
+    preds, targets = learn.get_preds()
+    assert [torch.equal(a, p) for a, p in zip(x, learn.model.parameters())] == [True] * len(x)  # no switch back
+    assert abs(F.cross_entropy(preds, targets).item() - valid_loss) < 1e-6
+    learn.opt.train()
+    for p, xp in zip(learn.model.parameters(), x):  # y = (1 - mom) z + mom x
+        assert torch.allclose(p, 0.1 * learn.opt.state[p]['z'] + 0.9 * xp, atol=1e-6)
+
+
+def test_recompute_batchnorm_averages_the_batches_and_leaves_the_model_as_it_was():
+    from teachloop.recent_optimizers import recompute_batchnorm
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).eval()
+    batches = [(torch.randn(8, 3) + i,) for i in range(5)]
+    assert recompute_batchnorm(model, iter(batches), n_batches=3) == 3
+    with torch.no_grad(): means = torch.stack([model[0](b).mean(0) for (b,) in batches[:3]]).mean(0)
+    assert torch.allclose(model[1].running_mean, means, atol=1e-6)
+    assert model[1].momentum == 0.1 and not model.training
+    assert recompute_batchnorm(nn.Linear(2, 2), iter(batches)) == 0
+
+
+def test_batchnorm_at_average_acts_only_with_an_optimizer_that_has_eval():
+    from teachloop.callbacks import BatchNormAtAverage
+    from teachloop.optimizer import Adam
+    from teachloop.testing import digits_learner
+    def bn_model():
+        return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+    stats = {}
+    for name, opt_func in {'adam': Adam, 'schedule_free': ScheduleFreeAdamW}.items():
+        for cbs in ([], [BatchNormAtAverage(n_batches=5)]):
+            learn = digits_learner(*cbs, opt_func=opt_func, model_fn=bn_model)
+            learn.fit(1)
+            stats[name, bool(cbs)] = learn.model[2].running_mean.clone()
+    assert torch.equal(stats['adam', False], stats['adam', True])
+    assert not torch.allclose(stats['schedule_free', False], stats['schedule_free', True])

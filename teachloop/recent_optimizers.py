@@ -15,6 +15,7 @@ from torch import nn
 from .fast import multi_tensor_version_of, per_step_count
 from .optimizer import (ABOVE_0, AT_LEAST_0, IN_0_1, Optimizer, adam_step, average_grad, average_sqr_grad,
                                  debias, declare_callback, l2_reg, step_stat, weight_decay)
+from .optimizers import WHOLE_AT_LEAST_1
 
 # %% auto #0
 __all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'AT_MOST_0', 'AT_LEAST_1', 'WHOLE_AT_LEAST_0', 'newton_schulz',
@@ -26,7 +27,8 @@ __all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'AT_MOST_0', 'AT_LEA
            'slow_average_grad', 'slow_mix_at', 'ademamix_step', 'AdEMAMix', 'slow_average_grad_multi',
            'ademamix_step_multi', 'schedule_free_weights', 'rms_normalize_grad', 'schedule_free_step',
            'ScheduleFreeOptimizer', 'ScheduleFreeAdamW', 'ScheduleFreeSGD', 'each_parameter',
-           'rms_normalize_grad_multi', 'schedule_free_step_multi', 'recompute_batchnorm']
+           'rms_normalize_grad_multi', 'schedule_free_step_multi', 'recompute_batchnorm', 'eigenbasis_adam_step',
+           'eigenvectors', 'shampoo_eigenbases', 'SOAP']
 
 # %% ../nbs/07a_recent_optimizers.ipynb #c004
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # Keller Jordan's quintic: slope 3.4 at zero, torch.optim.Muon's default
@@ -466,3 +468,48 @@ def recompute_batchnorm(model,  # the model, holding the weights to evaluate
         for m, momentum in zip(layers, momenta): m.momentum = momentum
         model.train(was_training)
     return seen
+
+# %% ../nbs/07a_recent_optimizers.ipynb #c064
+def _rotated(tensor, left, right):
+    "`left.T @ tensor @ right`, or `tensor` itself where there is no basis (not a matrix)."
+    return tensor if left is None else left.T @ tensor @ right
+
+def eigenbasis_adam_step(p, lr, mom, sqr_mom, step, eps, grad_avg, left_basis=None, right_basis=None,
+                         rotated_sqr_avg=None, **kwargs):
+    "Adam's step taken in the eigenbasis of Shampoo's preconditioners (plain Adam before there is one, or for vectors)."
+    rotated_grad = _rotated(p.grad, left_basis, right_basis)
+    if rotated_sqr_avg is None: rotated_sqr_avg = torch.zeros_like(rotated_grad)
+    rotated_sqr_avg.mul_(sqr_mom).addcmul_(rotated_grad, rotated_grad, value=1 - sqr_mom)
+    direction = _rotated(grad_avg, left_basis, right_basis) / _adam_denominator(rotated_sqr_avg, sqr_mom, step, eps)
+    if left_basis is not None: direction = left_basis @ direction @ right_basis.T
+    p.sub_(direction, alpha=lr / debias(mom, 1 - mom, step))
+    return {'rotated_sqr_avg': rotated_sqr_avg}
+declare_callback(eigenbasis_adam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0},
+                 effective_lr=None)  # its per-element rates live in the rotated space, not on the weights
+
+def eigenvectors(matrix):
+    "The eigenvectors of the symmetric `matrix` (columns), computed in float64: float32 `eigh` fails on rank-deficient ones."
+    return torch.linalg.eigh(matrix.double()).eigenvectors.to(matrix.dtype)
+
+def shampoo_eigenbases(p, sqr_mom, step, precondition_frequency, left_stats=None, right_stats=None, **kwargs):
+    "Keep Shampoo's averages G G^T and G^T G of a matrix's gradient; renew their eigenvectors at step 1 and every `precondition_frequency`."
+    if p.dim() != 2: return None
+    grad = p.grad
+    if left_stats is None: left_stats, right_stats = grad.new_zeros(grad.shape[0], grad.shape[0]), grad.new_zeros(grad.shape[1], grad.shape[1])
+    left_stats.lerp_(grad @ grad.T, 1 - sqr_mom)
+    right_stats.lerp_(grad.T @ grad, 1 - sqr_mom)
+    new_state = {'left_stats': left_stats, 'right_stats': right_stats}
+    if step == 1 or step % precondition_frequency == 0:
+        new_state.update(left_basis=eigenvectors(left_stats), right_basis=eigenvectors(right_stats))
+    return new_state
+declare_callback(shampoo_eigenbases, hypers={'sqr_mom': IN_0_1, 'precondition_frequency': WHOLE_AT_LEAST_1},
+                 effective_lr=None)
+
+multi_tensor_version_of(eigenbasis_adam_step)(each_parameter(eigenbasis_adam_step))
+multi_tensor_version_of(shampoo_eigenbases)(each_parameter(shampoo_eigenbases))
+
+def SOAP(params, lr=3e-3, mom=0.95, sqr_mom=0.95, eps=1e-8, wd=0.01, precondition_frequency=10, fast=None):
+    "SOAP (Vyas et al. 2024): Adam in the eigenbasis of Shampoo's preconditioners, renewed every `precondition_frequency` steps."
+    cbs = [weight_decay, partial(average_grad, dampening=True), step_stat, shampoo_eigenbases, eigenbasis_adam_step]
+    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
+                     precondition_frequency=precondition_frequency)

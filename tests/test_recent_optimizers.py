@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teachloop.recent_optimizers import (AdEMAMix, Adafactor, GroupedOptimizer, Muon, MuonAdamW, ScheduleFreeAdamW,
-                                         ScheduleFreeSGD, muon_splitter, newton_schulz)
+                                         ScheduleFreeSGD, SOAP, muon_splitter, newton_schulz)
 from teachloop.testing import digits_batches
 
 N_STEPS = 40
@@ -320,3 +320,70 @@ def test_batchnorm_at_average_acts_only_with_an_optimizer_that_has_eval():
             stats[name, bool(cbs)] = learn.model[2].running_mean.clone()
     assert torch.equal(stats['adam', False], stats['adam', True])
     assert not torch.allclose(stats['schedule_free', False], stats['schedule_free', True])
+
+
+# ---- SOAP
+
+class PaperSOAP:
+    """Algorithm 3 of Vyas et al. (2024) in plain tensors, with Adam's debiasing and AdamW's decoupled decay; L and R
+    take the gradient before the step and the eigenbases are computed at step 1 and every `frequency` steps."""
+    def __init__(self, params, lr, betas=(0.95, 0.95), eps=1e-8, wd=0.01, frequency=10):
+        self.params, self.lr, self.betas, self.eps, self.wd, self.frequency = list(params), lr, betas, eps, wd, frequency
+        self.t, self.state = 0, [{} for _ in self.params]
+
+    @torch.no_grad()
+    def step(self):
+        self.t += 1
+        b1, b2 = self.betas
+        for p, s in zip(self.params, self.state):
+            g = p.grad
+            p.mul_(1 - self.lr * self.wd)
+            s['M'] = b1 * s.get('M', torch.zeros_like(g)) + (1 - b1) * g
+            if p.dim() == 2:
+                s['L'] = torch.lerp(s.get('L', g.new_zeros(g.shape[0], g.shape[0])), g @ g.T, 1 - b2)
+                s['R'] = torch.lerp(s.get('R', g.new_zeros(g.shape[1], g.shape[1])), g.T @ g, 1 - b2)
+                if self.t == 1 or self.t % self.frequency == 0:
+                    s['QL'], s['QR'] = (torch.linalg.eigh(s[k]).eigenvectors for k in ('L', 'R'))
+                rotate, back = (lambda x: s['QL'].T @ x @ s['QR']), (lambda x: s['QL'] @ x @ s['QR'].T)
+            else: rotate = back = lambda x: x
+            g_rot = rotate(g)
+            s['V'] = b2 * s.get('V', torch.zeros_like(g_rot)) + (1 - b2) * g_rot * g_rot
+            m_hat, v_hat = rotate(s['M']) / (1 - b1 ** self.t), s['V'] / (1 - b2 ** self.t)
+            p.sub_(self.lr * back(m_hat / (v_hat.sqrt() + self.eps)))
+
+    def zero_grad(self):
+        for p in self.params: p.grad = None
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize('fast', [False, True])
+def test_soap_matches_the_papers_algorithm(fast):
+    # Gaussian inputs and targets: G G^T and G^T G are full rank with well separated eigenvalues. On the digits, pixels
+    # that are always 0 and rank-deficient statistics give repeated eigenvalues, whose eigenvectors eigh may return in
+    # any rotation; a 1e-16 difference then picks another basis, and the comparison would test eigh, not SOAP.
+    generator = torch.Generator().manual_seed(0)
+    data = [(torch.randn(32, 8, generator=generator, dtype=torch.float64),
+             torch.randn(32, 3, generator=generator, dtype=torch.float64)) for _ in range(N_STEPS)]
+    torch.manual_seed(0)
+    start = nn.Sequential(nn.Linear(8, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    ours, theirs = copy.deepcopy(start), copy.deepcopy(start)
+    for model, opt in ((ours, SOAP(ours.parameters(), lr=1e-2, precondition_frequency=7, fast=fast)),
+                       (theirs, PaperSOAP(theirs.parameters(), lr=1e-2, frequency=7))):
+        for xb, yb in data:
+            F.mse_loss(model(xb), yb).backward(); opt.step(); opt.zero_grad()
+    # float64; the bases are eigenvectors of the same matrices (both average them with lerp) and the Adam arithmetic
+    # differs in its order only (1e-16 per operation): 1e-10 leaves room for eigenvectors, which turn a rounding
+    # difference into one larger by the inverse gap of their eigenvalues, and is far below what a wrong basis,
+    # frequency or debiasing moves (1e-3)
+    assert max_diff(ours, theirs) <= 1e-10 and max_diff(ours, start) > 1e-2
+
+
+def test_soap_keeps_bases_for_matrices_only():
+    w, b = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(3))
+    opt = SOAP([w, b], precondition_frequency=2)
+    for _ in range(3):
+        w.grad, b.grad = torch.randn(3, 4), torch.randn(3)
+        opt.step()
+    assert opt.state[w]['left_basis'].shape == (3, 3) and opt.state[w]['right_basis'].shape == (4, 4)
+    assert 'left_basis' not in opt.state[b]
+    with pytest.raises(ValueError, match='precondition_frequency'): SOAP([w], precondition_frequency=0)

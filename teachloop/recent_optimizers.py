@@ -12,23 +12,23 @@ from functools import partial
 import torch
 from torch import nn
 
-from .fast import multi_tensor_version_of, per_step_count
+from .fast import callback_key, fused_patterns, multi_tensor_version_of, per_step_count
 from .optimizer import (ABOVE_0, AT_LEAST_0, IN_0_1, Optimizer, adam_step, average_grad, average_sqr_grad,
-                                 debias, declare_callback, l2_reg, step_stat, weight_decay)
+                                 callback_facts, debias, declare_callback, l2_reg, step_stat, weight_decay)
 from .optimizers import WHOLE_AT_LEAST_1
 
 # %% auto #0
-__all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'AT_MOST_0', 'AT_LEAST_1', 'WHOLE_AT_LEAST_0', 'newton_schulz',
-           'momentum_direction', 'orthogonalize_grad', 'shape_scaled_step', 'muon_lr_ratio', 'check_muon_params',
-           'check_adjust_lr', 'Muon', 'GroupedOptimizer', 'muon_splitter', 'MuonAdamW', 'by_shape',
-           'momentum_direction_multi', 'orthogonalize_grad_multi', 'shape_scaled_step_multi', 'relative_step_size',
-           'factored_sqr_grad', 'adafactor_step', 'sqr_grad_estimate', 'Adafactor', 'vectors_and_matrices',
-           'relative_step_size_multi', 'factored_sqr_grad_multi', 'adafactor_step_multi', 'slow_mom_at',
-           'slow_average_grad', 'slow_mix_at', 'ademamix_step', 'AdEMAMix', 'slow_average_grad_multi',
-           'ademamix_step_multi', 'schedule_free_weights', 'rms_normalize_grad', 'schedule_free_step',
-           'ScheduleFreeOptimizer', 'ScheduleFreeAdamW', 'ScheduleFreeSGD', 'each_parameter',
-           'rms_normalize_grad_multi', 'schedule_free_step_multi', 'recompute_batchnorm', 'eigenbasis_adam_step',
-           'eigenvectors', 'shampoo_eigenbases', 'SOAP']
+__all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'AT_MOST_0', 'AT_LEAST_1', 'WHOLE_AT_LEAST_0',
+           'SCHEDULE_FREE_ADAMW_CALLBACKS', 'newton_schulz', 'momentum_direction', 'orthogonalize_grad',
+           'shape_scaled_step', 'muon_lr_ratio', 'check_muon_params', 'check_adjust_lr', 'Muon', 'GroupedOptimizer',
+           'muon_splitter', 'MuonAdamW', 'by_shape', 'momentum_direction_multi', 'orthogonalize_grad_multi',
+           'shape_scaled_step_multi', 'relative_step_size', 'factored_sqr_grad', 'adafactor_step', 'sqr_grad_estimate',
+           'Adafactor', 'vectors_and_matrices', 'relative_step_size_multi', 'factored_sqr_grad_multi',
+           'adafactor_step_multi', 'slow_mom_at', 'slow_average_grad', 'slow_mix_at', 'ademamix_step', 'AdEMAMix',
+           'slow_average_grad_multi', 'ademamix_step_multi', 'schedule_free_weights', 'rms_normalize_grad',
+           'schedule_free_step', 'ScheduleFreeOptimizer', 'ScheduleFreeAdamW', 'ScheduleFreeSGD', 'each_parameter',
+           'rms_normalize_grad_multi', 'schedule_free_step_multi', 'schedule_free_adamw_fused', 'recompute_batchnorm',
+           'eigenbasis_adam_step', 'eigenvectors', 'shampoo_eigenbases', 'SOAP']
 
 # %% ../nbs/07a_recent_optimizers.ipynb #c004
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # Keller Jordan's quintic: slope 3.4 at zero, torch.optim.Muon's default
@@ -448,7 +448,30 @@ def schedule_free_step_multi(group, mom, **kwargs):
         torch._foreach_add_(part.params, part.grads, alpha=lr * (mom * (1 - weight) - 1))
         torch._foreach_sub_(zs, part.grads, alpha=lr)
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c062
+# %% ../nbs/07a_recent_optimizers.ipynb #c056
+def schedule_free_adamw_fused(group, lr, mom, sqr_mom, eps, wd, warmup_steps, r, weight_lr_power, **kwargs):
+    "Schedule-Free AdamW's six callbacks as one step: parameter by parameter on a CPU, multi-tensor elsewhere."
+    hypers = dict(lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, warmup_steps=warmup_steps, r=r,
+                  weight_lr_power=weight_lr_power)
+    if group.params[0].device.type != 'cpu':
+        for callback in SCHEDULE_FREE_ADAMW_CALLBACKS: callback_facts(callback).multi_tensor(group, **hypers)
+        return
+    for p, state in zip(group.params, group.states):
+        step = state['step'] = state.get('step', 0) + 1
+        state.update(schedule_free_weights(p, lr, step, warmup_steps, r, weight_lr_power, state.get('lr_max', -1.),
+                                           state.get('weight_sum', 0.)))
+        state.update(average_sqr_grad(p, sqr_mom, sqr_avg=state.get('sqr_avg')))
+        rms_normalize_grad(p, sqr_mom, step, eps, state['sqr_avg'])
+        l2_reg(p, wd, state.get('do_wd', True))
+        state.update(schedule_free_step(p, mom, state['scheduled_lr'], state['average_weight'], state.get('z')))
+
+SCHEDULE_FREE_ADAMW_CALLBACKS = [step_stat, schedule_free_weights, average_sqr_grad, rms_normalize_grad, l2_reg,
+                                 schedule_free_step]
+fused_patterns[:] = [(keys, fused) for keys, fused in fused_patterns  # once, if this cell runs again
+                     if fused.func.__name__ != 'schedule_free_adamw_fused'] + [
+    ([callback_key(cb) for cb in SCHEDULE_FREE_ADAMW_CALLBACKS], partial(schedule_free_adamw_fused))]
+
+# %% ../nbs/07a_recent_optimizers.ipynb #c064
 @torch.no_grad()
 def recompute_batchnorm(model,  # the model, holding the weights to evaluate
                         inputs,  # an iterable of input tuples for the model (training batches without targets)
@@ -469,7 +492,7 @@ def recompute_batchnorm(model,  # the model, holding the weights to evaluate
         model.train(was_training)
     return seen
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c064
+# %% ../nbs/07a_recent_optimizers.ipynb #c066
 def _rotated(tensor, left, right):
     "`left.T @ tensor @ right`, or `tensor` itself where there is no basis (not a matrix)."
     return tensor if left is None else left.T @ tensor @ right

@@ -28,7 +28,8 @@ __all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'AT_MOST_0', 'AT_LEA
            'slow_average_grad_multi', 'ademamix_step_multi', 'schedule_free_weights', 'rms_normalize_grad',
            'schedule_free_step', 'ScheduleFreeOptimizer', 'ScheduleFreeAdamW', 'ScheduleFreeSGD', 'each_parameter',
            'rms_normalize_grad_multi', 'schedule_free_step_multi', 'schedule_free_adamw_fused', 'recompute_batchnorm',
-           'eigenbasis_adam_step', 'eigenvectors', 'shampoo_eigenbases', 'SOAP']
+           'eigenbasis_adam_step', 'eigenvectors', 'shampoo_eigenbases', 'SOAP', 'nadam_step', 'average_abs_max',
+           'adamax_step', 'average_abs_max_multi', 'adamax_step_multi', 'NAdam', 'Adamax']
 
 # %% ../nbs/07a_recent_optimizers.ipynb #c004
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # Keller Jordan's quintic: slope 3.4 at zero, torch.optim.Muon's default
@@ -536,3 +537,58 @@ def SOAP(params, lr=3e-3, mom=0.95, sqr_mom=0.95, eps=1e-8, wd=0.01, preconditio
     cbs = [weight_decay, partial(average_grad, dampening=True), step_stat, shampoo_eigenbases, eigenbasis_adam_step]
     return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
                      precondition_frequency=precondition_frequency)
+
+# %% ../nbs/07a_recent_optimizers.ipynb #c071
+def nadam_step(p, lr, mom, sqr_mom, step, eps, momentum_decay, grad_avg, sqr_avg, mu_product=1., **kwargs):
+    "NAdam's update: the fresh gradient and the average gradient, each with its momentum-product debiasing."
+    mu, mu_next = (mom * (1 - 0.5 * 0.96 ** (t * momentum_decay)) for t in (step, step + 1))
+    mu_product *= mu
+    denominator = (sqr_avg / debias(sqr_mom, 1 - sqr_mom, step)).sqrt_().add_(eps)
+    p.addcdiv_(p.grad, denominator, value=-lr * (1 - mu) / (1 - mu_product))
+    p.addcdiv_(grad_avg, denominator, value=-lr * mu_next / (1 - mu_product * mu_next))
+    return {'mu_product': mu_product}
+declare_callback(nadam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0,
+                                     'momentum_decay': AT_LEAST_0},
+                 effective_lr=lambda p, state, lr, sqr_mom, eps, **hypers: lr / (
+                     (state['sqr_avg'] / debias(sqr_mom, 1 - sqr_mom, state['step'])).sqrt() + eps))
+multi_tensor_version_of(nadam_step)(each_parameter(nadam_step))
+
+def average_abs_max(p, sqr_mom, eps, inf_avg=None, **kwargs):
+    "Keep Adamax's running maximum of the gradient's size, max(`sqr_mom` * inf_avg, |grad| + `eps`), in `inf_avg`."
+    if inf_avg is None: inf_avg = torch.zeros_like(p.grad)
+    return {'inf_avg': torch.maximum(inf_avg.mul_(sqr_mom), p.grad.abs().add_(eps), out=inf_avg)}
+declare_callback(average_abs_max, hypers={'sqr_mom': IN_0_1, 'eps': ABOVE_0}, effective_lr=None)
+
+def adamax_step(p, lr, mom, step, grad_avg, inf_avg, **kwargs):
+    "Adamax's update: the debiased average gradient over the running maximum of its size."
+    p.addcdiv_(grad_avg, inf_avg, value=-lr / debias(mom, 1 - mom, step))
+declare_callback(adamax_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1},
+                 effective_lr=lambda p, state, lr, **hypers: lr / state['inf_avg'])
+
+@multi_tensor_version_of(average_abs_max)
+def average_abs_max_multi(group, sqr_mom, eps, **kwargs):
+    "`average_abs_max` on every tensor of the group at once."
+    maxima = group.state_tensors('inf_avg')
+    torch._foreach_mul_(maxima, sqr_mom)
+    sizes = torch._foreach_abs(group.grads)
+    torch._foreach_add_(sizes, eps)
+    torch._foreach_maximum_(maxima, sizes)
+
+@multi_tensor_version_of(adamax_step)
+@per_step_count
+def adamax_step_multi(group, lr, mom, step, **kwargs):
+    "`adamax_step` on every tensor of the group at once."
+    torch._foreach_addcdiv_(group.params, group.state_tensors('grad_avg'), group.state_tensors('inf_avg'),
+                            value=-lr / debias(mom, 1 - mom, step))
+
+def NAdam(params, lr=2e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., momentum_decay=4e-3, decouple_wd=False, fast=None):
+    "NAdam (Dozat 2016) as `torch.optim.NAdam`, with its defaults."
+    cbs = [weight_decay if decouple_wd else l2_reg, partial(average_grad, dampening=True), average_sqr_grad, step_stat,
+           nadam_step]
+    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
+                     momentum_decay=momentum_decay)
+
+def Adamax(params, lr=2e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., fast=None):
+    "Adamax (Kingma and Ba 2015) as `torch.optim.Adamax`, with its defaults."
+    cbs = [l2_reg, partial(average_grad, dampening=True), average_abs_max, step_stat, adamax_step]
+    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)

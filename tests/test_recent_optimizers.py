@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from teachloop.recent_optimizers import (AdEMAMix, Adafactor, GroupedOptimizer, Muon, MuonAdamW, ScheduleFreeAdamW,
-                                         ScheduleFreeSGD, SOAP, muon_splitter, newton_schulz)
+                                         ScheduleFreeSGD, SOAP, Adamax, NAdam, muon_splitter, newton_schulz)
 from teachloop.testing import digits_batches
 
 N_STEPS = 40
@@ -387,3 +387,34 @@ def test_soap_keeps_bases_for_matrices_only():
     assert opt.state[w]['left_basis'].shape == (3, 3) and opt.state[w]['right_basis'].shape == (4, 4)
     assert 'left_basis' not in opt.state[b]
     with pytest.raises(ValueError, match='precondition_frequency'): SOAP([w], precondition_frequency=0)
+
+
+# ---- NAdam and Adamax
+
+@pytest.fixture
+def float64_default():
+    "torch.optim keeps NAdam's momentum product and step counts in the default dtype: float64 for a float64 comparison."
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize('name, ours, theirs', [
+    ('nadam', partial(NAdam, lr=2e-3), partial(torch.optim.NAdam, lr=2e-3)),
+    ('nadam_l2', partial(NAdam, lr=2e-3, wd=0.01, momentum_decay=0.01),
+     partial(torch.optim.NAdam, lr=2e-3, weight_decay=0.01, momentum_decay=0.01)),
+    ('nadam_decoupled', partial(NAdam, lr=2e-3, wd=0.01, decouple_wd=True),
+     partial(torch.optim.NAdam, lr=2e-3, weight_decay=0.01, decoupled_weight_decay=True)),
+    ('adamax', partial(Adamax, lr=2e-3), partial(torch.optim.Adamax, lr=2e-3)),
+    ('adamax_l2', partial(Adamax, lr=2e-3, wd=0.01, sqr_mom=0.99), partial(torch.optim.Adamax, lr=2e-3, weight_decay=0.01,
+                                                                          betas=(0.9, 0.99)))])
+@pytest.mark.parametrize('fast', [False, True])
+def test_nadam_and_adamax_match_torch(name, ours, theirs, fast, batches, float64_default):
+    start = digits_cnn_double()
+    mine, reference = copy.deepcopy(start), copy.deepcopy(start)
+    train(mine, [ours(mine.parameters(), fast=fast)], batches)
+    train(reference, [theirs(reference.parameters(), foreach=False)], batches)
+    # float64, the same operations in the same order: only the fast step's multi-tensor kernels may round otherwise
+    assert max_diff(mine, reference) <= 1e-12 and max_diff(mine, start) > 1e-3

@@ -9,7 +9,7 @@ __all__ = ['MODULES']
 from . import (
     callbacks, checkpoint, core, dashboard, dashboard_buffers, dashboard_controls, dashboard_plot, dashboard_widget,
     data, effective_lr, fast, faults, interop, learner, momentum, nan_capture, optimizer, optimizers, random_state,
-    recent_optimizers, schedule, testing)
+    race, recent_optimizers, schedule, testing)
 from .core import *
 from .random_state import *
 from .data import *
@@ -26,6 +26,7 @@ from .nan_capture import *
 from .checkpoint import *
 from .faults import *
 from .testing import *
+from .race import *
 from .momentum import *
 from .dashboard_controls import *
 from .dashboard_buffers import *
@@ -34,6 +35,6 @@ from .dashboard_widget import *
 from .dashboard import *
 
 MODULES = (core, random_state, data, optimizer, optimizers, recent_optimizers, fast, interop, learner, callbacks,
-           schedule, effective_lr, nan_capture, checkpoint, faults, testing, momentum, dashboard_controls,
+           schedule, effective_lr, nan_capture, checkpoint, faults, testing, race, momentum, dashboard_controls,
            dashboard_buffers, dashboard_plot, dashboard_widget, dashboard)
 __all__ = [name for module in MODULES for name in module.__all__]

@@ -20,7 +20,7 @@ LAYERS = [
     {'optimizer', 'optimizers', 'fast', 'interop', 'recent_optimizers'},
     {'momentum'},  # the running averages and paths on 2-D surfaces, taught right after the optimizer
     {'learner'},  # the callback core and the training loop
-    {'callbacks', 'schedule', 'effective_lr', 'nan_capture', 'checkpoint', 'faults', 'testing', 'demo'},
+    {'callbacks', 'schedule', 'effective_lr', 'nan_capture', 'checkpoint', 'faults', 'testing', 'demo', 'race'},
     {'dashboard_controls', 'dashboard_buffers', 'dashboard_plot', 'dashboard_widget',
      'dashboard'},  # widgets
     {'all'},

@@ -18,18 +18,18 @@ from .optimizer import (ABOVE_0, AT_LEAST_0, IN_0_1, Optimizer, adam_step, avera
 from .optimizers import WHOLE_AT_LEAST_1
 
 # %% auto #0
-__all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'AT_MOST_0', 'AT_LEAST_1', 'WHOLE_AT_LEAST_0',
-           'SCHEDULE_FREE_ADAMW_CALLBACKS', 'newton_schulz', 'momentum_direction', 'orthogonalize_grad',
-           'shape_scaled_step', 'muon_lr_ratio', 'check_muon_params', 'check_adjust_lr', 'Muon', 'GroupedOptimizer',
-           'muon_splitter', 'MuonAdamW', 'by_shape', 'momentum_direction_multi', 'orthogonalize_grad_multi',
-           'shape_scaled_step_multi', 'relative_step_size', 'factored_sqr_grad', 'adafactor_step', 'sqr_grad_estimate',
-           'Adafactor', 'vectors_and_matrices', 'relative_step_size_multi', 'factored_sqr_grad_multi',
-           'adafactor_step_multi', 'slow_mom_at', 'slow_average_grad', 'slow_mix_at', 'ademamix_step', 'AdEMAMix',
-           'slow_average_grad_multi', 'ademamix_step_multi', 'schedule_free_weights', 'rms_normalize_grad',
-           'schedule_free_step', 'ScheduleFreeOptimizer', 'ScheduleFreeAdamW', 'ScheduleFreeSGD', 'each_parameter',
-           'rms_normalize_grad_multi', 'schedule_free_step_multi', 'schedule_free_adamw_fused', 'recompute_batchnorm',
-           'eigenbasis_adam_step', 'eigenvectors', 'shampoo_eigenbases', 'SOAP', 'nadam_step', 'average_abs_max',
-           'adamax_step', 'average_abs_max_multi', 'adamax_step_multi', 'NAdam', 'Adamax']
+__all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'AT_MOST_0', 'AT_LEAST_1', 'WHOLE_AT_LEAST_0', 'newton_schulz',
+           'momentum_direction', 'orthogonalize_grad', 'shape_scaled_step', 'muon_lr_ratio', 'check_muon_params',
+           'check_adjust_lr', 'Muon', 'GroupedOptimizer', 'muon_splitter', 'MuonAdamW', 'by_shape',
+           'momentum_direction_multi', 'orthogonalize_grad_multi', 'shape_scaled_step_multi', 'relative_step_size',
+           'factored_sqr_grad', 'adafactor_step', 'sqr_grad_estimate', 'Adafactor', 'vectors_and_matrices',
+           'relative_step_size_multi', 'factored_sqr_grad_multi', 'adafactor_step_multi', 'slow_mom_at',
+           'slow_average_grad', 'slow_mix_at', 'ademamix_step', 'AdEMAMix', 'slow_average_grad_multi',
+           'ademamix_step_multi', 'fused_per_parameter_on_cpu', 'ademamix_parameter', 'schedule_free_weights',
+           'rms_normalize_grad', 'schedule_free_step', 'ScheduleFreeOptimizer', 'ScheduleFreeAdamW', 'ScheduleFreeSGD',
+           'each_parameter', 'rms_normalize_grad_multi', 'schedule_free_step_multi', 'schedule_free_adamw_parameter',
+           'recompute_batchnorm', 'eigenbasis_adam_step', 'eigenvectors', 'shampoo_eigenbases', 'SOAP', 'nadam_step',
+           'average_abs_max', 'adamax_step', 'average_abs_max_multi', 'adamax_step_multi', 'NAdam', 'Adamax']
 
 # %% ../nbs/07a_recent_optimizers.ipynb #c004
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # Keller Jordan's quintic: slope 3.4 at zero, torch.optim.Muon's default
@@ -342,7 +342,37 @@ def ademamix_step_multi(group, lr, mom, sqr_mom, eps, step, slow_mix, slow_mix_w
     torch._foreach_add_(denominators, eps)
     torch._foreach_addcdiv_(group.params, numerators, denominators, value=-lr)
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c051
+# %% ../nbs/07a_recent_optimizers.ipynb #c049
+def fused_per_parameter_on_cpu(callbacks,  # the callbacks the step does, in order
+                               one_parameter,  # `f(p, state, **hypers)`: what they do to one parameter, on a CPU
+                              ):
+    "Add to `fused_patterns` a step for `callbacks`: `one_parameter` on each parameter on a CPU, multi-tensor elsewhere."
+    def fused(group, **hypers):
+        if group.params[0].device.type != 'cpu':
+            for callback in callbacks:
+                function, keywords = callback_key(callback)
+                callback_facts(function).multi_tensor(group, **hypers, **dict(keywords))
+        else:
+            for p, state in zip(group.params, group.states): one_parameter(p, state, **hypers)
+    fused.__name__ = f"{one_parameter.__name__}_fused"
+    fused_patterns[:] = [(keys, step) for keys, step in fused_patterns  # once, if this runs again
+                         if step.func.__name__ != fused.__name__] + [([callback_key(cb) for cb in callbacks], partial(fused))]
+
+def ademamix_parameter(p, state, lr, mom, sqr_mom, slow_mom, slow_mix, slow_mix_warmup, slow_mom_warmup, eps, wd,
+                       **kwargs):
+    "AdEMAMix's six callbacks on one parameter, with their arguments spelled out."
+    weight_decay(p, lr, wd, state.get('do_wd', True))
+    state.update(average_grad(p, mom, dampening=True, grad_avg=state.get('grad_avg')))
+    state.update(average_sqr_grad(p, sqr_mom, sqr_avg=state.get('sqr_avg')))
+    step = state['step'] = state.get('step', 0) + 1
+    state.update(slow_average_grad(p, step, mom, slow_mom, slow_mom_warmup, state.get('slow_avg')))
+    ademamix_step(p, lr, mom, sqr_mom, step, state['grad_avg'], state['slow_avg'], state['sqr_avg'], eps, slow_mix,
+                  slow_mix_warmup)
+
+fused_per_parameter_on_cpu([weight_decay, partial(average_grad, dampening=True), average_sqr_grad, step_stat,
+                            slow_average_grad, ademamix_step], ademamix_parameter)
+
+# %% ../nbs/07a_recent_optimizers.ipynb #c053
 def schedule_free_weights(p, lr, step, warmup_steps, r, weight_lr_power, lr_max=-1., weight_sum=0., **kwargs):
     "The warmed-up learning rate and the weight of this step in Schedule-Free's average of the iterates."
     scheduled_lr = lr * min(1., step / warmup_steps) if warmup_steps else lr
@@ -371,7 +401,7 @@ def schedule_free_step(p, mom, scheduled_lr, average_weight, z=None, **kwargs):
 declare_callback(schedule_free_step, hypers={'mom': IN_0_1},
                  effective_lr=lambda p, state, **hypers: torch.full_like(p, state['scheduled_lr']))
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c052
+# %% ../nbs/07a_recent_optimizers.ipynb #c054
 class ScheduleFreeOptimizer(Optimizer):
     "An `Optimizer` running Schedule-Free callbacks: `eval()` puts the average x in the parameters, `train()` the point y."
     def __init__(self, params, cbs, fast=None, **defaults):
@@ -416,7 +446,7 @@ def ScheduleFreeSGD(params, lr=1., mom=0.9, wd=0., warmup_steps=0, r=0., weight_
     return ScheduleFreeOptimizer(params, cbs, fast=fast, lr=lr, mom=mom, wd=wd, warmup_steps=warmup_steps, r=r,
                                  weight_lr_power=weight_lr_power)
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c054
+# %% ../nbs/07a_recent_optimizers.ipynb #c056
 def each_parameter(callback):
     "A multi-tensor version of `callback` that runs it on each parameter in turn, for callbacks with no batched form."
     def run(group, **hypers):
@@ -449,30 +479,21 @@ def schedule_free_step_multi(group, mom, **kwargs):
         torch._foreach_add_(part.params, part.grads, alpha=lr * (mom * (1 - weight) - 1))
         torch._foreach_sub_(zs, part.grads, alpha=lr)
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c056
-def schedule_free_adamw_fused(group, lr, mom, sqr_mom, eps, wd, warmup_steps, r, weight_lr_power, **kwargs):
-    "Schedule-Free AdamW's six callbacks as one step: parameter by parameter on a CPU, multi-tensor elsewhere."
-    hypers = dict(lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd, warmup_steps=warmup_steps, r=r,
-                  weight_lr_power=weight_lr_power)
-    if group.params[0].device.type != 'cpu':
-        for callback in SCHEDULE_FREE_ADAMW_CALLBACKS: callback_facts(callback).multi_tensor(group, **hypers)
-        return
-    for p, state in zip(group.params, group.states):
-        step = state['step'] = state.get('step', 0) + 1
-        state.update(schedule_free_weights(p, lr, step, warmup_steps, r, weight_lr_power, state.get('lr_max', -1.),
-                                           state.get('weight_sum', 0.)))
-        state.update(average_sqr_grad(p, sqr_mom, sqr_avg=state.get('sqr_avg')))
-        rms_normalize_grad(p, sqr_mom, step, eps, state['sqr_avg'])
-        l2_reg(p, wd, state.get('do_wd', True))
-        state.update(schedule_free_step(p, mom, state['scheduled_lr'], state['average_weight'], state.get('z')))
+# %% ../nbs/07a_recent_optimizers.ipynb #c058
+def schedule_free_adamw_parameter(p, state, lr, mom, sqr_mom, eps, wd, warmup_steps, r, weight_lr_power, **kwargs):
+    "Schedule-Free AdamW's six callbacks on one parameter, with their arguments spelled out."
+    step = state['step'] = state.get('step', 0) + 1
+    state.update(schedule_free_weights(p, lr, step, warmup_steps, r, weight_lr_power, state.get('lr_max', -1.),
+                                       state.get('weight_sum', 0.)))
+    state.update(average_sqr_grad(p, sqr_mom, sqr_avg=state.get('sqr_avg')))
+    rms_normalize_grad(p, sqr_mom, step, eps, state['sqr_avg'])
+    l2_reg(p, wd, state.get('do_wd', True))
+    state.update(schedule_free_step(p, mom, state['scheduled_lr'], state['average_weight'], state.get('z')))
 
-SCHEDULE_FREE_ADAMW_CALLBACKS = [step_stat, schedule_free_weights, average_sqr_grad, rms_normalize_grad, l2_reg,
-                                 schedule_free_step]
-fused_patterns[:] = [(keys, fused) for keys, fused in fused_patterns  # once, if this cell runs again
-                     if fused.func.__name__ != 'schedule_free_adamw_fused'] + [
-    ([callback_key(cb) for cb in SCHEDULE_FREE_ADAMW_CALLBACKS], partial(schedule_free_adamw_fused))]
+fused_per_parameter_on_cpu([step_stat, schedule_free_weights, average_sqr_grad, rms_normalize_grad, l2_reg,
+                            schedule_free_step], schedule_free_adamw_parameter)
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c064
+# %% ../nbs/07a_recent_optimizers.ipynb #c066
 @torch.no_grad()
 def recompute_batchnorm(model,  # the model, holding the weights to evaluate
                         inputs,  # an iterable of input tuples for the model (training batches without targets)
@@ -493,7 +514,7 @@ def recompute_batchnorm(model,  # the model, holding the weights to evaluate
         model.train(was_training)
     return seen
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c066
+# %% ../nbs/07a_recent_optimizers.ipynb #c068
 def _rotated(tensor, left, right):
     "`left.T @ tensor @ right`, or `tensor` itself where there is no basis (not a matrix)."
     return tensor if left is None else left.T @ tensor @ right
@@ -538,7 +559,7 @@ def SOAP(params, lr=3e-3, mom=0.95, sqr_mom=0.95, eps=1e-8, wd=0.01, preconditio
     return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
                      precondition_frequency=precondition_frequency)
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c071
+# %% ../nbs/07a_recent_optimizers.ipynb #c073
 def nadam_step(p, lr, mom, sqr_mom, step, eps, momentum_decay, grad_avg, sqr_avg, mu_product=1., **kwargs):
     "NAdam's update: the fresh gradient and the average gradient, each with its momentum-product debiasing."
     mu, mu_next = (mom * (1 - 0.5 * 0.96 ** (t * momentum_decay)) for t in (step, step + 1))

@@ -418,3 +418,28 @@ def test_nadam_and_adamax_match_torch(name, ours, theirs, fast, batches, float64
     train(reference, [theirs(reference.parameters(), foreach=False)], batches)
     # float64, the same operations in the same order: only the fast step's multi-tensor kernels may round otherwise
     assert max_diff(mine, reference) <= 1e-12 and max_diff(mine, start) > 1e-3
+
+
+# ---- the fast steps
+
+@pytest.mark.numeric
+@pytest.mark.parametrize('make', [partial(AdEMAMix, lr=1e-3, slow_mix_warmup=10, slow_mom_warmup=20, wd=0.01),
+                                  partial(ScheduleFreeAdamW, lr=1e-3, wd=0.01, warmup_steps=5),
+                                  partial(Adamax, lr=1e-3, wd=0.01)])
+@pytest.mark.parametrize('per_parameter_on_cpu', [True, False])
+def test_fast_steps_match_the_callbacks(make, per_parameter_on_cpu, batches, monkeypatch):
+    "The CPU's per-parameter step and, with it taken out, the multi-tensor versions a GPU runs, against the callbacks."
+    from teachloop import fast
+    if not per_parameter_on_cpu:
+        monkeypatch.setattr(fast, 'fused_patterns', [(keys, step) for keys, step in fast.fused_patterns
+                                                     if not step.func.__name__.endswith('_parameter_fused')])
+    start = digits_cnn_double()
+    reference, fast_model = copy.deepcopy(start), copy.deepcopy(start)
+    train(reference, [make(reference.parameters(), fast=False)], batches)
+    opt = make(fast_model.parameters(), fast=True)
+    train(fast_model, [opt], batches)
+    for p in fast_model.parameters(): p.grad = torch.zeros_like(p)
+    used = repr(opt.fast_step_for(list(fast_model.parameters()), opt.param_groups[0]))
+    assert ('_parameter_fused' in used) == (per_parameter_on_cpu and 'Adamax' not in repr(make))
+    # float64: the multi-tensor kernels may group additions otherwise than the per-tensor ones (1e-16 each)
+    assert max_diff(reference, fast_model) <= 1e-12 and max_diff(reference, start) > 1e-3

@@ -323,7 +323,7 @@ def AdEMAMix(params, lr=1e-3, mom=0.9, sqr_mom=0.999, slow_mom=0.9999, slow_mix=
     return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, slow_mom=slow_mom, slow_mix=slow_mix,
                      slow_mix_warmup=slow_mix_warmup, slow_mom_warmup=slow_mom_warmup, eps=eps, wd=wd)
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c047
+# %% ../nbs/07a_recent_optimizers.ipynb #c050
 @multi_tensor_version_of(slow_average_grad)
 @per_step_count
 def slow_average_grad_multi(group, step, mom, slow_mom, slow_mom_warmup, **kwargs):
@@ -342,7 +342,7 @@ def ademamix_step_multi(group, lr, mom, sqr_mom, eps, step, slow_mix, slow_mix_w
     torch._foreach_add_(denominators, eps)
     torch._foreach_addcdiv_(group.params, numerators, denominators, value=-lr)
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c049
+# %% ../nbs/07a_recent_optimizers.ipynb #c052
 def fused_per_parameter_on_cpu(callbacks,  # the callbacks the step does, in order
                                one_parameter,  # `f(p, state, **hypers)`: what they do to one parameter, on a CPU
                               ):
@@ -372,7 +372,7 @@ def ademamix_parameter(p, state, lr, mom, sqr_mom, slow_mom, slow_mix, slow_mix_
 fused_per_parameter_on_cpu([weight_decay, partial(average_grad, dampening=True), average_sqr_grad, step_stat,
                             slow_average_grad, ademamix_step], ademamix_parameter)
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c053
+# %% ../nbs/07a_recent_optimizers.ipynb #c056
 def schedule_free_weights(p, lr, step, warmup_steps, r, weight_lr_power, lr_max=-1., weight_sum=0., **kwargs):
     "The warmed-up learning rate and the weight of this step in Schedule-Free's average of the iterates."
     scheduled_lr = lr * min(1., step / warmup_steps) if warmup_steps else lr
@@ -401,7 +401,7 @@ def schedule_free_step(p, mom, scheduled_lr, average_weight, z=None, **kwargs):
 declare_callback(schedule_free_step, hypers={'mom': IN_0_1},
                  effective_lr=lambda p, state, **hypers: torch.full_like(p, state['scheduled_lr']))
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c054
+# %% ../nbs/07a_recent_optimizers.ipynb #c057
 class ScheduleFreeOptimizer(Optimizer):
     "An `Optimizer` running Schedule-Free callbacks: `eval()` puts the average x in the parameters, `train()` the point y."
     def __init__(self, params, cbs, fast=None, **defaults):
@@ -446,7 +446,7 @@ def ScheduleFreeSGD(params, lr=1., mom=0.9, wd=0., warmup_steps=0, r=0., weight_
     return ScheduleFreeOptimizer(params, cbs, fast=fast, lr=lr, mom=mom, wd=wd, warmup_steps=warmup_steps, r=r,
                                  weight_lr_power=weight_lr_power)
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c056
+# %% ../nbs/07a_recent_optimizers.ipynb #c059
 def each_parameter(callback):
     "A multi-tensor version of `callback` that runs it on each parameter in turn, for callbacks with no batched form."
     def run(group, **hypers):
@@ -479,7 +479,7 @@ def schedule_free_step_multi(group, mom, **kwargs):
         torch._foreach_add_(part.params, part.grads, alpha=lr * (mom * (1 - weight) - 1))
         torch._foreach_sub_(zs, part.grads, alpha=lr)
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c058
+# %% ../nbs/07a_recent_optimizers.ipynb #c061
 def schedule_free_adamw_parameter(p, state, lr, mom, sqr_mom, eps, wd, warmup_steps, r, weight_lr_power, **kwargs):
     "Schedule-Free AdamW's six callbacks on one parameter, with their arguments spelled out."
     step = state['step'] = state.get('step', 0) + 1
@@ -493,7 +493,7 @@ def schedule_free_adamw_parameter(p, state, lr, mom, sqr_mom, eps, wd, warmup_st
 fused_per_parameter_on_cpu([step_stat, schedule_free_weights, average_sqr_grad, rms_normalize_grad, l2_reg,
                             schedule_free_step], schedule_free_adamw_parameter)
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c066
+# %% ../nbs/07a_recent_optimizers.ipynb #c069
 @torch.no_grad()
 def recompute_batchnorm(model,  # the model, holding the weights to evaluate
                         inputs,  # an iterable of input tuples for the model (training batches without targets)
@@ -514,7 +514,7 @@ def recompute_batchnorm(model,  # the model, holding the weights to evaluate
         model.train(was_training)
     return seen
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c068
+# %% ../nbs/07a_recent_optimizers.ipynb #c071
 def _rotated(tensor, left, right):
     "`left.T @ tensor @ right`, or `tensor` itself where there is no basis (not a matrix)."
     return tensor if left is None else left.T @ tensor @ right
@@ -559,7 +559,7 @@ def SOAP(params, lr=3e-3, mom=0.95, sqr_mom=0.95, eps=1e-8, wd=0.01, preconditio
     return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
                      precondition_frequency=precondition_frequency)
 
-# %% ../nbs/07a_recent_optimizers.ipynb #c073
+# %% ../nbs/07a_recent_optimizers.ipynb #c076
 def nadam_step(p, lr, mom, sqr_mom, step, eps, momentum_decay, grad_avg, sqr_avg, mu_product=1., **kwargs):
     "NAdam's update: the fresh gradient and the average gradient, each with its momentum-product debiasing."
     mu, mu_next = (mom * (1 - 0.5 * 0.96 ** (t * momentum_decay)) for t in (step, step + 1))

@@ -443,3 +443,17 @@ def test_fast_steps_match_the_callbacks(make, per_parameter_on_cpu, batches, mon
     assert ('_parameter_fused' in used) == (per_parameter_on_cpu and 'Adamax' not in repr(make))
     # float64: the multi-tensor kernels may group additions otherwise than the per-tensor ones (1e-16 each)
     assert max_diff(reference, fast_model) <= 1e-12 and max_diff(reference, start) > 1e-3
+
+
+@pytest.mark.parametrize('make', [partial(Muon, lr=0.02), Adafactor, AdEMAMix, ScheduleFreeAdamW, ScheduleFreeSGD,
+                                  NAdam, Adamax])
+def test_effective_learning_rates_of_the_new_optimizers(make):
+    "Notebook 10's tools read the factors the new callbacks declare (SOAP's live in its rotated space: it has none)."
+    from teachloop.effective_lr import effective_lrs
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(4, 3))
+    opt = make([weight])
+    weight.grad = torch.randn(4, 3)
+    opt.step()
+    rates = effective_lrs(opt)['0.0']
+    assert rates.shape == (4, 3) and torch.isfinite(rates).all() and (rates > 0).all()

@@ -1,7 +1,8 @@
 """Microseconds per optimizer `step()` on a 20 x (Linear 256 + LayerNorm) MLP (1.3 M parameters): teachloop's
-callbacks, teachloop's fast step, and torch.optim's for-loop, foreach and fused modes, measured side by side.
+callbacks, teachloop's fast step, and the reference implementations (torch.optim's for-loop, foreach and fused modes;
+the `schedulefree` package for Schedule-Free AdamW), measured side by side. Muon steps the 20 weight matrices only.
 
-    python bench/optimizer_step.py [--steps 50] [--rounds 5] [--device cpu|cuda] [--threads 1]
+    python bench/optimizer_step.py [--steps 50] [--rounds 5] [--device cpu|cuda] [--threads 1] [--only Muon AdEMAMix]
 """
 import argparse
 import statistics
@@ -12,7 +13,10 @@ import torch
 from torch import nn
 
 from teachloop.all import SGD, Adam, RMSProp  # teachloop.all switches the fast path on (teachloop.fast)
-from teachloop.all import Lamb
+from teachloop.all import AdEMAMix, Adafactor, Lamb, Muon, ScheduleFreeAdamW
+
+try: import schedulefree
+except ImportError: schedulefree = None  # a test-only dependency: its contender is left out without it
 
 
 def mlp(n_layers=20, width=256):
@@ -24,6 +28,25 @@ def torch_modes(cls, **kwargs):
     modes = {'torch for-loop': partial(cls, foreach=False, **kwargs), 'torch foreach': partial(cls, foreach=True, **kwargs)}
     if 'fused' in cls.__init__.__code__.co_varnames: modes['torch fused'] = partial(cls, fused=True, **kwargs)
     return modes
+
+
+def matrices_only(make, params, **kwargs):
+    "`make` given only the 2-D parameters (Muon's)."
+    return make([p for p in params if p.dim() == 2], **kwargs)
+
+
+def train_mode(make, params, **kwargs):
+    "The optimizer from `make`, switched to train mode (the schedulefree package starts in eval mode)."
+    opt = make(params, **kwargs)
+    opt.train()
+    return opt
+
+
+def schedulefree_modes():
+    "The package's for-loop and foreach variants of Schedule-Free AdamW, if it is installed."
+    if schedulefree is None: return {}
+    return {f'schedulefree {name}': partial(train_mode, schedulefree.AdamWScheduleFree, lr=1e-3, foreach=foreach)
+            for name, foreach in (('for-loop', False), ('foreach', True))}
 
 
 def contenders():
@@ -40,6 +63,14 @@ def contenders():
                       'teachloop fast': partial(Adam, lr=1e-3, decouple_wd=False),
                       **torch_modes(torch.optim.Adam, lr=1e-3, betas=(0.9, 0.99), eps=1e-5, weight_decay=0.01)},
         'LAMB': {'teachloop callbacks': partial(Lamb, fast=False), 'teachloop fast': Lamb},
+        'Muon': {'teachloop callbacks': partial(matrices_only, Muon, lr=0.02, fast=False),
+                 'teachloop fast': partial(matrices_only, Muon, lr=0.02),
+                 'torch': partial(matrices_only, torch.optim.Muon, lr=0.02)},
+        'Adafactor': {'teachloop callbacks': partial(Adafactor, fast=False), 'teachloop fast': Adafactor,
+                      **torch_modes(torch.optim.Adafactor)},
+        'Schedule-Free AdamW': {'teachloop callbacks': partial(ScheduleFreeAdamW, lr=1e-3, fast=False),
+                                'teachloop fast': partial(ScheduleFreeAdamW, lr=1e-3), **schedulefree_modes()},
+        'AdEMAMix': {'teachloop callbacks': partial(AdEMAMix, fast=False), 'teachloop fast': AdEMAMix},
     }
 
 
@@ -73,8 +104,8 @@ def report(algorithm, times):
     print(f"\n{algorithm}")
     for name, t in times.items(): print(f"  {name:<20} {t * 1e6:10.0f} us")
     fast = times['teachloop fast']
-    for other in ('teachloop callbacks', 'torch for-loop', 'torch foreach', 'torch fused'):
-        if other in times: print(f"  teachloop fast / {other:<19} {fast / times[other]:6.2f}x")
+    for other in times:
+        if other != 'teachloop fast': print(f"  teachloop fast / {other:<22} {fast / times[other]:6.2f}x")
 
 
 def main():
@@ -83,12 +114,14 @@ def main():
     parser.add_argument('--rounds', type=int, default=5)
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--threads', type=int, default=1)
+    parser.add_argument('--only', nargs='*', default=None, help="the algorithms to time (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     n_params = sum(p.numel() for p in mlp().parameters())
     print(f"optimizer step on a 20 x (Linear 256 + LayerNorm) MLP, {n_params / 1e6:.2f} M parameters, "
           f"{args.device}, {args.threads} thread(s), torch {torch.__version__}")
     for algorithm, algorithm_contenders in contenders().items():
+        if args.only and algorithm not in args.only: continue
         report(algorithm, bench(algorithm_contenders, args.steps, args.rounds, args.device))
 
 

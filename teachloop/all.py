@@ -9,12 +9,13 @@ __all__ = ['MODULES']
 from . import (
     callbacks, checkpoint, core, dashboard, dashboard_buffers, dashboard_controls, dashboard_plot, dashboard_widget,
     data, distributed, effective_lr, fast, faults, interop, layer_stats, learner, momentum, nan_capture, optimizer,
-    optimizer_builder, optimizers, random_state, schedule, sharpness, testing)
+    optimizer_builder, optimizers, race, random_state, recent_optimizers, schedule, sharpness, testing)
 from .core import *
 from .random_state import *
 from .data import *
 from .optimizer import *
 from .optimizers import *
+from .recent_optimizers import *
 from .fast import *
 from .interop import *
 from .learner import *
@@ -28,6 +29,7 @@ from .checkpoint import *
 from .faults import *
 from .testing import *
 from .distributed import *
+from .race import *
 from .momentum import *
 from .optimizer_builder import *
 from .dashboard_controls import *
@@ -36,7 +38,7 @@ from .dashboard_plot import *
 from .dashboard_widget import *
 from .dashboard import *
 
-MODULES = (core, random_state, data, optimizer, optimizers, fast, interop, momentum, optimizer_builder, learner,
+MODULES = (core, random_state, data, optimizer, optimizers, recent_optimizers, fast, interop, momentum, optimizer_builder, learner,
            callbacks, schedule, effective_lr, sharpness, layer_stats, nan_capture, checkpoint, faults, testing,
-           distributed, dashboard_controls, dashboard_buffers, dashboard_plot, dashboard_widget, dashboard)
+           distributed, race, dashboard_controls, dashboard_buffers, dashboard_plot, dashboard_widget, dashboard)
 __all__ = [name for module in MODULES for name in module.__all__]

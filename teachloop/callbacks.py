@@ -14,15 +14,16 @@ from functools import partial
 
 import torch
 
-from .core import default_device, to_device
+from .core import check_count, default_device, to_device
 from fastcore.basics import patch
 
 from .learner import Callback, add_default_callbacks
+from .recent_optimizers import recompute_batchnorm
 from .optimizer import Optimizer
 
 # %% auto #0
 __all__ = ['state_to_params_devices', 'DeviceCallback', 'accuracy', 'smooth_values', 'hypers_read', 'Recorder',
-           'smoothing_window', 'format_row', 'ProgressCallback', 'StepUndo', 'MixedPrecision']
+           'smoothing_window', 'format_row', 'ProgressCallback', 'StepUndo', 'MixedPrecision', 'BatchNormAtAverage']
 
 # %% ../nbs/05_callbacks.ipynb #c004
 def state_to_params_devices(opt):
@@ -410,3 +411,16 @@ class MixedPrecision(Callback):
     def _leave_autocast(self):
         if self._autocast is not None: self._autocast.__exit__(None, None, None)
         self._autocast = None
+
+# %% ../nbs/05_callbacks.ipynb #b02
+class BatchNormAtAverage(Callback):
+    "Before each validation, recompute BatchNorm statistics at the weights an optimizer with `eval()` put in the model."
+    order = -9  # right after TrainEvalCallback (-10), which switched model and optimizer to evaluation
+    def __init__(self, n_batches=50):  # training batches to measure the statistics on
+        check_count('n_batches', n_batches)
+        self.n_batches = n_batches
+    def before_validate(self):
+        if not callable(getattr(self.opt, 'eval', None)): return
+        device = next(self.model.parameters()).device
+        inputs = (to_device(tuple(batch[:-1]), device) for batch in self.dls.train)
+        recompute_batchnorm(self.model, inputs, self.n_batches)

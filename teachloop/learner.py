@@ -25,9 +25,10 @@ from .optimizer import Adam, Optimizer, check_hyper
 # %% auto #0
 __all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'CancelBatchException', 'CancelBackwardException',
            'CancelStepException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
-           'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'TrainEvalCallback',
-           'add_default_callbacks', 'default_splitter', 'Learner', 'callback_list', 'check_fit_args', 'GatherPreds',
-           'check_state_matches', 'optimizer_with_state', 'restore_training_state', 'EventLog']
+           'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'set_optimizer_mode',
+           'TrainEvalCallback', 'add_default_callbacks', 'default_splitter', 'Learner', 'callback_list',
+           'check_fit_args', 'GatherPreds', 'check_state_matches', 'optimizer_with_state', 'restore_training_state',
+           'EventLog']
 
 # %% ../nbs/04_learner.ipynb #c004
 class CancelBatchException(Exception):
@@ -122,13 +123,22 @@ class Callback:
     def __repr__(self): return f"{type(self).__name__}()"
 
 # %% ../nbs/04_learner.ipynb #c013
+def set_optimizer_mode(opt, training):
+    "Call `opt.train()` or `opt.eval()` if the optimizer has them (Schedule-Free optimizers do); else do nothing."
+    switch = getattr(opt, 'train' if training else 'eval', None)
+    if callable(switch): switch()
+
 class TrainEvalCallback(Callback):
-    "Put the model in train or eval mode for each phase and count training progress (`train_iter`, `pct_train`)."
+    "Put the model (and an optimizer with modes) in train or eval mode for each phase and count training progress."
     order = -10
     def before_fit(self):
         self.learn.train_iter, self.learn.pct_train = 0, 0.
-    def before_train(self): self.model.train()
-    def before_validate(self): self.model.eval()
+    def before_train(self):
+        self.model.train()
+        set_optimizer_mode(self.opt, True)
+    def before_validate(self):
+        self.model.eval()
+        set_optimizer_mode(self.opt, False)
     def after_batch(self):
         learn = self.learn  # read directly: this runs every batch, and falling through to the learner costs a little
         if not learn.training: return
@@ -544,7 +554,10 @@ def _cleanup(self:Learner):
     self._set_phase(False, self.dl)
     self.model.eval()
     if self.opt is not None: self.opt.zero_grad()
-    self('cleanup_fit')
+    # A fit ends with the weights to evaluate in the model; switched after `cleanup_fit`, so that the checkpoint of an
+    # interrupted fit keeps the training point it resumes from, exactly
+    try: self('cleanup_fit')
+    finally: set_optimizer_mode(self.opt, False)
 
 
 

@@ -188,12 +188,13 @@ class FigureWidget:
 
 # %% ../nbs/02_momentum.ipynb #c027
 class EWMAWidget(FigureWidget):
-    "The noisy parabola with its EWMA and debiased EWMA, and the EWMA's weights, redrawn for `beta` and `noise`."
+    "The noisy parabola with its EWMA and debiased EWMA (and a slow EWMA), and their weights, redrawn for the sliders."
     def __init__(self,
                  beta=0.9,  # starting averaging factor
                  noise=0.1,  # starting noise level
                  n=100,  # number of points
                  seed=0,  # seed of the first sample; the re-sample button counts up from it
+                 slow_beta=None,  # also draw a slow EWMA with this factor, and its slider (AdEMAMix, notebook 07a)
                 ):
         import ipywidgets as widgets
         self.n, self.seed = n, seed
@@ -202,9 +203,11 @@ class EWMAWidget(FigureWidget):
         curve_x = np.linspace(-4, 4, 200)
         self.ax_data.plot(curve_x, 1 - (curve_x / 3) ** 2, color='0.6', lw=1, label='1 - (x/3)^2')
         self.lines = plot_ewma(self.ax_data, [], [], 0., debiased=True)
+        if slow_beta is not None: self.lines['slow'] = self.ax_data.plot([], [], color='C4', lw=2, label='slow EWMA')[0]
         self.ax_data.set(xlim=(-4.5, 4.5), ylim=(-2, 2), xlabel='x')
         self.ax_data.legend(loc='lower center', ncol=4, fontsize=8)
         self.lines['weights'] = self.ax_weights.plot([], [], color='C1')[0]
+        if slow_beta is not None: self.lines['slow_weights'] = self.ax_weights.plot([], [], color='C4')[0]
         self.lines['window'] = self.ax_weights.axvline(1, color='k', ls=':', label='1/(1-beta)')
         self.ax_weights.set(xlim=(0, n), ylim=(0, 1.05), xlabel='steps back', title='weight relative to the newest')
         self.ax_weights.legend(fontsize=8)
@@ -212,6 +215,7 @@ class EWMAWidget(FigureWidget):
         resample.on_click(self.resample)
         controls = dict(beta=float_slider('beta', beta, 0., 0.995, 0.005),
                         noise=float_slider('noise', noise, 0., 0.5, 0.01))
+        if slow_beta is not None: controls['slow_beta'] = float_slider('slow beta', slow_beta, 0., 0.999, 0.001)
         super().__init__(fig, controls, [*self.lines.values(), self.ax_data.title], extras=[resample])
 
     def resample(self, button=None):
@@ -219,7 +223,7 @@ class EWMAWidget(FigureWidget):
         self.seed += 1
         self.redraw()
 
-    def update(self, beta, noise):
+    def update(self, beta, noise, slow_beta=None):
         x, y = noisy_parabola(self.n, noise, self.seed)
         self.lines['data'].set_data(x, y)
         self.lines['ewma'].set_data(x, ewma(y, beta))
@@ -227,6 +231,9 @@ class EWMAWidget(FigureWidget):
         window = effective_window(beta)
         self.lines['weights'].set_data(np.arange(self.n), ewma_weights(beta, self.n) / (1 - beta))
         self.lines['window'].set_xdata([window, window])
+        if slow_beta is not None:
+            self.lines['slow'].set_data(x, ewma(y, slow_beta))
+            self.lines['slow_weights'].set_data(np.arange(self.n), ewma_weights(slow_beta, self.n) / (1 - slow_beta))
         self.ax_data.set_title(f"beta = {beta:.3f}: averages over about {window:.0f} points")
 
 # %% ../nbs/02_momentum.ipynb #c032

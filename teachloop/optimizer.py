@@ -292,7 +292,7 @@ class Optimizer(torch.optim.Optimizer):
                 ):
         if fast not in (None, True, False):
             raise TypeError(f"fast must be None (fast step when there is one), True or False, got {fast!r}")
-        self.cbs, self.fast, self._fast_plan = list(cbs), fast, None
+        self.cbs, self.fast, self._fast_plans = list(cbs), fast, {}
         merged = {}
         for cb in self.cbs: merged.update(_callback_defaults(cb))
         merged.update(defaults)
@@ -326,25 +326,30 @@ class Optimizer(torch.optim.Optimizer):
     def step_param(self, p, hypers):
         "Run the callbacks, in order, on parameter `p` with its group's `hypers`."
         state = self.state[p]
-        for cb in self.cbs:
+        for cb in self.callbacks_for(hypers):
             new_state = cb(p, **{**state, **hypers})
             if new_state: state.update(new_state)
+
+    def callbacks_for(self, hypers):
+        "The callbacks run on a group with `hypers`: `cbs` (a subclass may choose them by group, as Muon with AdamW does)."
+        return self.cbs
 
     def fast_step_for(self, params, hypers=()):
         "The multi-tensor step doing what the callbacks do to `params` with `hypers`, or `None` to run the callbacks."
         if self.fast is False: return None
-        key = tuple(map(id, self.cbs))
-        if self._fast_plan is None or self._fast_plan[0] != key: self._fast_plan = (key, find_fast_step(self.cbs))
-        fast_step = self._fast_plan[1]
+        cbs = self.callbacks_for(hypers)
+        key = tuple(map(id, cbs))
+        if key not in self._fast_plans: self._fast_plans[key] = find_fast_step(cbs)
+        fast_step = self._fast_plans[key]
         if fast_step is not None and fast_step.applies_to(params, hypers, [self.state[p] for p in params]):
             return fast_step
-        if self.fast: raise RuntimeError(f"no multi-tensor step for callbacks [{', '.join(map(_callback_name, self.cbs))}] "
+        if self.fast: raise RuntimeError(f"no multi-tensor step for callbacks [{', '.join(map(_callback_name, cbs))}] "
                                          "on these parameters; create the optimizer with `fast=None` or `fast=False`")
         return None
 
     def __getstate__(self):
         "What `copy.deepcopy` and `pickle` keep: torch's state plus the callbacks (the fast step is planned again)."
-        return {**super().__getstate__(), 'cbs': self.cbs, 'fast': self.fast, '_fast_plan': None}
+        return {**super().__getstate__(), 'cbs': self.cbs, 'fast': self.fast, '_fast_plans': {}}
 
     def clear_state(self):
         "Forget every parameter's running state (moving averages, step counts); keep settings such as `do_wd`."

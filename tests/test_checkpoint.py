@@ -13,6 +13,7 @@ from teachloop.checkpoint import (Checkpoint, EarlyStopping, ReduceLROnPlateau, 
 from teachloop.data import digits_cnn, digits_dls
 from teachloop.learner import Callback, CancelFitException, Learner
 from teachloop.optimizer import SGD, Adam
+from teachloop.recent_optimizers import ScheduleFreeAdamW
 
 from teachloop.schedule import ParamScheduler, one_cycle_scheds
 from teachloop.testing import digits_learner, quiet
@@ -53,6 +54,8 @@ SETUPS = {
     'sgd': dict(opt_func=lambda params, lr: SGD(params, lr, mom=0.9), lr=0.05, scheds=None),
     'adam': dict(opt_func=Adam, lr=3e-3, scheds=None),
     'one_cycle': dict(opt_func=Adam, lr=3e-3, scheds=lambda: one_cycle_scheds(1e-2)),
+    # validation swaps the averaged weights in and out of the model: a resumed fit must swap them the same way
+    'schedule_free': dict(opt_func=ScheduleFreeAdamW, lr=3e-3, scheds=None),
 }
 
 

@@ -71,6 +71,16 @@ def test_ewma_widget_follows_its_sliders():
     assert widget.image.value != first_png and widget.image.value[:8] == b'\x89PNG\r\n\x1a\n'
 
 
+def test_ewma_widget_draws_a_slow_average_when_asked():
+    assert 'slow_beta' not in EWMAWidget().controls and 'slow' not in EWMAWidget().lines
+    widget = EWMAWidget(beta=0.9, slow_beta=0.98, seed=3)
+    widget.controls['slow_beta'].value = 0.95
+    x, y = widget.lines['data'].get_data()
+    assert np.allclose(widget.lines['slow'].get_ydata(), ewma(y, 0.95))
+    assert np.allclose(widget.lines['slow_weights'].get_ydata(), 0.95 ** np.arange(100))
+    assert np.allclose(widget.lines['ewma'].get_ydata(), ewma(y, 0.9))
+
+
 def test_ewma_widget_noise_and_resample():
     widget = EWMAWidget(noise=0.1, seed=3)
     y_before = widget.lines['data'].get_ydata().copy()

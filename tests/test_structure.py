@@ -17,11 +17,11 @@ PACKAGE = Path(teachloop.__file__).parent
 LAYERS = [
     {'core', 'random_state'},  # helpers every layer needs
     {'data'},
-    {'optimizer', 'optimizers', 'fast', 'interop'},
+    {'optimizer', 'optimizers', 'fast', 'interop', 'recent_optimizers'},
     {'momentum', 'optimizer_builder'},  # the running averages and paths on 2-D surfaces, taught right after the optimizer
     {'learner'},  # the callback core and the training loop
     {'callbacks', 'schedule', 'effective_lr', 'sharpness', 'layer_stats', 'nan_capture', 'checkpoint', 'faults',
-     'testing', 'demo', 'distributed'},
+     'testing', 'demo', 'distributed', 'race'},
     {'dashboard_controls', 'dashboard_buffers', 'dashboard_plot', 'dashboard_widget',
      'dashboard'},  # widgets
     {'all'},
@@ -165,19 +165,28 @@ def test_each_public_function_and_class_has_a_one_line_docstring():
     assert bad == []
 
 
+def example_params(optimizer_name):
+    "Parameters the optimizer `optimizer_name` takes: Muon wants matrices, MuonAdamW groups tagged with their kind."
+    import torch
+    matrix, vector = torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))
+    if optimizer_name == 'Muon': return [matrix]
+    if optimizer_name == 'MuonAdamW': return [{'params': [matrix], 'kind': 'muon'}, {'params': [vector], 'kind': 'adamw'}]
+    return [vector]
+
+
 def exported_optimizer_callbacks():
     "Every callback that an exported optimizer of teachloop runs, found by building each one."
     import torch
     from teachloop.optimizer import Optimizer, callback_function
-    from teachloop import optimizer, optimizers
+    from teachloop import optimizer, optimizers, recent_optimizers
     found = set()
-    for module in (optimizer, optimizers):
+    for module in (optimizer, optimizers, recent_optimizers):
         for public in module.__all__:
             make = getattr(module, public)
             if not inspect.isfunction(make) or public[0].islower(): continue
-            param = torch.nn.Parameter(torch.zeros(2))
-            try: opt = make([param], lr=0.1)
-            except TypeError: opt = make(optimizer.SGD([param], lr=0.1))  # Lookahead wraps an optimizer
+            params = example_params(public)
+            try: opt = make(params, lr=0.1)
+            except TypeError: opt = make(optimizer.SGD(params, lr=0.1))  # Lookahead wraps an optimizer
             assert isinstance(opt, Optimizer), public
             found.update(callback_function(cb) for cb in opt.cbs)
     return found

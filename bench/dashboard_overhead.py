@@ -17,7 +17,7 @@ Variants:
   learning rates computed; the final figure not drawn since nobody would see it).
 - `live`: the same with `live=True`: a display thread draws every tick's frame (PNG into an ipywidgets Image without
   a frontend). Drawing competes with the fit for the CPU and the GIL, so this is the cost of watching on a CPU fit.
-- `panels`: the headless dashboard with a `LayerStats` callback at its default tick (every 50 batches) and the
+- `panels`: the headless dashboard with a `LayerStats` callback at its default tick (every 100 batches) and the
   effective learning rates kept over the fit (read at every tick, as when a figure will be shown): the cost of the
   new panels' measurements, to hold to 1.05 of a fit without the dashboard.
 - `panels-live`: the same, drawn live with the third row of panels.

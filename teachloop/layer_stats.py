@@ -15,7 +15,7 @@ from .core import check_count
 from .learner import Callback
 
 # %% auto #0
-__all__ = ['SATURATING', 'RECTIFYING', 'saturated_share', 'dead_share', 'LayerStats', 'plot_layer_histograms']
+__all__ = ['SATURATING', 'RECTIFYING', 'HISTOGRAM_VALUES', 'saturated_share', 'dead_share', 'LayerStats', 'plot_layer_histograms']
 
 # %% ../nbs/10b_layer_stats.ipynb #l004
 SATURATING = (nn.Tanh, nn.Sigmoid, nn.Hardtanh)
@@ -33,16 +33,21 @@ def saturated_share(module, a, threshold=0.97):
 def dead_share(module, a):
     "The share of units (second dimension) of a ReLU-like `module` that are <= 0 for every example; None otherwise."
     if not isinstance(module, RECTIFYING): return None
-    alive = (a > 0).transpose(0, 1).reshape(a.shape[1], -1).any(dim=1)
+    alive = (a > 0).any(dim=0)  # per unit, or per channel and position
+    alive = alive.reshape(len(alive), -1).any(dim=1)
     return 1 - alive.to(_real(a)).mean()
 
 # %% ../nbs/10b_layer_stats.ipynb #l008
+HISTOGRAM_VALUES = 16384  # a larger tensor's histogram is taken on a regular sample of about this many values
+
 def _histogram(t, bins):
-    "Counts of `t` in `bins` equal bins over its own range, and that range."
+    "Counts of `t` in `bins` equal bins over its own range, and that range, computed without reading the range back."
     t = t.detach().to(_real(t)).flatten()
+    if t.numel() > HISTOGRAM_VALUES: t = t[::t.numel() // HISTOGRAM_VALUES + 1]  # the shape of the spread, for less work
     lo, hi = t.min(), t.max()
-    hi = torch.where(hi > lo, hi, lo + 1e-12)
-    return torch.histc(t, bins, min=lo.item(), max=hi.item()), torch.stack([lo, hi])
+    width = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
+    index = ((t - lo) / width * bins).long().clamp_(0, bins - 1)
+    return torch.bincount(index, minlength=bins).to(t.dtype), torch.stack([lo, lo + width])
 
 def _activation_modules(model):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, SATURATING + RECTIFYING)]
@@ -51,7 +56,7 @@ class LayerStats(Callback):
     "Histograms and summaries of each activation layer's output and gradient, and of the weights' gradients, at ticks."
     order, run_valid = 60, False
     def __init__(self,
-                 every=50,  # training batches between two ticks (the first batch is one)
+                 every=100,  # training batches between two ticks (the first batch is one)
                  modules=None,  # names of the modules to watch; None: every tanh, sigmoid and ReLU-like layer
                  bins=40,  # histogram bins
                  max_ticks=200):  # ticks kept (the oldest are dropped)
@@ -102,7 +107,7 @@ class LayerStats(Callback):
         return self._to_host(layers, hists, dict(zip(weights, zip(grad_norms, ratios))))
 
     def _to_host(self, layers, hists, weights):
-        "One transfer for the scalars, one for the histograms."
+        "One transfer for the scalars, one for the histograms' counts, one for their ranges."
         keys = ('saturated', 'dead', 'mean', 'std', 'grad_std')
         flat = [e[k] for e, _ in layers for k in keys if e[k] is not None] + [v for pair in weights.values() for v in pair]
         values = iter(torch.stack(flat).tolist()) if flat else iter(())
@@ -110,8 +115,8 @@ class LayerStats(Callback):
             for k in keys:
                 if entry[k] is not None: entry[k] = next(values)
         weight_stats = {n: {'grad_norm': next(values), 'grad_to_data': next(values)} for n in weights}
-        host = [(counts.cpu(), edges.cpu()) for counts, edges in hists]
-        it = iter(host)
+        counts, ranges = (torch.stack(part).cpu() for part in zip(*hists)) if hists else ((), ())
+        it = iter(zip(counts, ranges))
         for entry, has_grad in layers:
             entry['hist'] = next(it)
             entry['grad_hist'] = next(it) if has_grad else None

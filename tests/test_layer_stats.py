@@ -137,3 +137,4 @@ def test_no_host_reads_between_ticks(host_reads):
     learner(net(), batches(8), [LayerStats(every=4), Probe()]).fit(1)
     new_reads = [b - a for a, b in zip([0] + per_batch, per_batch)]
     assert [i for i, n in enumerate(new_reads) if n] == [0, 4], new_reads  # the host waits at ticks only
+    assert new_reads[0] == new_reads[4] == 3  # summaries, histogram counts, histogram ranges: one transfer each

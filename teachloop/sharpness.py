@@ -28,8 +28,14 @@ def stability_threshold(lr, mom=0., dampening=False):
 # %% ../nbs/10a_sharpness.ipynb #s009
 def hessian_vector_product(loss, params):
     "A function `v -> H v` for the Hessian of the scalar `loss` with respect to `params` (lists of tensors)."
-    grads = torch.autograd.grad(loss, params, create_graph=True)
-    return lambda v: torch.autograd.grad(grads, params, grad_outputs=v, retain_graph=True)
+    grads = torch.autograd.grad(loss, params, create_graph=True, allow_unused=True)
+    # a parameter the loss does not depend on (an unused layer) has zero rows and columns in H
+    used = [i for i, g in enumerate(grads) if g is not None and g.requires_grad]
+    def hvp(v):
+        parts = torch.autograd.grad([grads[i] for i in used], params, grad_outputs=[v[i] for i in used],
+                                    retain_graph=True, allow_unused=True) if used else [None] * len(params)
+        return [torch.zeros_like(p) if part is None else part for p, part in zip(params, parts)]
+    return hvp
 
 def _dot(a, b): return sum((x * y).sum() for x, y in zip(a, b))
 
@@ -116,7 +122,9 @@ class Sharpness(Callback):
     def _scale(self, params, lr):
         by_id = {id(p): name for name, p in self.model.named_parameters()}
         elrs = effective_lrs(self.opt, self.model)
-        return [(elrs[by_id[id(p)]] / lr).sqrt() for p in params]
+        # a parameter the optimizer has not moved yet (no state: it had no gradient) has no effective lr: it is not moved,
+        # so it takes no part in the preconditioned step
+        return [(elrs[by_id[id(p)]] / lr).sqrt() if by_id[id(p)] in elrs else torch.zeros_like(p) for p in params]
 
     def plot(self, ax=None, label=None):
         "Sharpness and its stability line against the training step."

@@ -150,6 +150,22 @@ def test_adaptive_optimizers_are_preconditioned_unless_told():
     assert picks == {'sgd': False, 'adam': True, 'adam raw': False}
 
 
+@pytest.mark.parametrize('preconditioned', [False, True])
+def test_an_unused_parameter_does_not_stop_an_estimate(preconditioned):
+    model, x, y = small_problem(10)
+    unused = nn.Linear(2, 2).double()  # trainable, but no gradient ever reaches it
+    holder = nn.ModuleDict({'net': model, 'unused': unused})
+    class Net(nn.Module):
+        def __init__(self): super().__init__(); self.parts = holder
+        def forward(self, xb): return self.parts['net'](xb)
+    sharp = Sharpness(every=2, n_iter=300, preconditioned=preconditioned)
+    learn = regression_learner(Net(), [sharp], lr=1e-2, opt_func=Adam, n_batches=4)
+    learn.fit(1)
+    if not preconditioned:  # zero rows and columns for the unused layer: the used part's top eigenvalue
+        assert sharp.sharpness[-1] == pytest.approx(top_by_size(exact_hessian(model, F.mse_loss, *learn.dls.train[0])), rel=1e-6)
+    assert len(sharp.sharpness) == 2 and all(v > 0 for v in sharp.sharpness)
+
+
 def test_bad_arguments_are_refused_before_the_fit():
     for bad in ({'every': 0}, {'n_iter': 1.5}):
         with pytest.raises(ValueError, match=next(iter(bad))): Sharpness(**bad)

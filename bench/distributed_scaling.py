@@ -1,11 +1,11 @@
 """Samples per second of data-parallel training on the CPU, in 1 and 2 processes (gloo, one thread each): teachloop's
 `learn.distributed()` against a plain loop of torch's own (DistributedDataParallel, DistributedSampler, torch.optim.SGD),
 the same model, data, batch and work per epoch (a training pass and a validation pass whose loss and accuracy are summed
-over the processes). Both run in the same processes, in turn, several times (so that the load of a shared machine falls
-on both alike): samples a second from the medians of the slowest rank's times, and the median over the runs of the ratio
-of teachloop's time to the plain loop's run right after it.
+over the processes). Both run in the same processes, in turn, many times (so that the load of a shared machine falls
+on both alike), each going first in every other pair (so that neither gains from the order): samples a second from the
+medians of the slowest rank's times, and the median over the pairs of the ratio of teachloop's time to the plain loop's.
 
-    OMP_NUM_THREADS=1 python bench/distributed_scaling.py [--epochs 4] [--repeats 7] [--bs 64]
+    OMP_NUM_THREADS=1 python bench/distributed_scaling.py [--epochs 8] [--repeats 16] [--bs 64]
 """
 import argparse
 import statistics
@@ -80,7 +80,10 @@ def both_in_turn(bs, epochs, repeats):
     plain, samples = plain_loop(bs)
     with learn.distributed():
         learn.fit(1); plain(1)  # warm-up
-        times = [(timed(learn.fit, epochs), timed(plain, epochs)) for _ in range(repeats)]
+        times = []
+        for i in range(repeats):  # (teachloop's time, the plain loop's), the plain loop first in every other pair
+            if i % 2: times.append(tuple(reversed((timed(plain, epochs), timed(learn.fit, epochs)))))
+            else: times.append((timed(learn.fit, epochs), timed(plain, epochs)))
     return times, samples * epochs
 
 
@@ -89,15 +92,15 @@ def samples_per_second(world_size, bs, epochs, repeats):
     ranks = run_ranks(both_in_turn, bs, epochs, repeats, world_size=world_size, threads=1)
     samples = ranks[0][1]
     slowest = [tuple(max(rank[0][i][k] for rank in ranks) for k in (0, 1)) for i in range(repeats)]
-    # each teachloop run is compared with the plain run right after it, which met about the same load
+    # each teachloop run is compared with the plain run next to it, which met about the same load
     ratio = statistics.median(ours / plain for ours, plain in slowest)
     return (*(samples / statistics.median(t[k] for t in slowest) for k in (0, 1)), ratio)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split('\n\n')[0])
-    parser.add_argument('--epochs', type=int, default=4, help='epochs a timed run')
-    parser.add_argument('--repeats', type=int, default=7)
+    parser.add_argument('--epochs', type=int, default=8, help='epochs a timed run')
+    parser.add_argument('--repeats', type=int, default=16, help='pairs of timed runs')
     parser.add_argument('--bs', type=int, default=64, help='items per batch in each process')
     args = parser.parse_args(argv)
     print(f"digits CNN, batches of {args.bs} per process, SGD with momentum, {args.epochs} epochs timed, "

@@ -326,7 +326,9 @@ class SaveModel(TrackerCallback):
 
     def after_epoch(self):
         super().after_epoch()
-        if self.improved: self.learn.save(self.path, with_opt=False)
+        if not self.improved: return  # decided alike in every process: the values are the ones summed over them
+        if process_rank() == 0: self.learn.save(self.path, with_opt=False)  # the weights are the same in each
+        wait_for_processes()
 
 class EarlyStopping(TrackerCallback):
     "Stop the fit after `patience` epochs without improvement of `monitor`; optionally end with the best weights."

@@ -224,7 +224,13 @@ class DataParallel(Callback):
                 ):
         check_count('agree_every', agree_every)
         self.agree_every, self._ddp, self._quietened, self._joined, self.rank, self.world_size = agree_every, None, [], False, 0, 1
-        self.distributed, self._ddp_clean, self._made_host_group, self._losses, self._here = False, False, False, [], False
+        self.distributed, self._ddp_clean, self._made_host_group = False, False, False
+        self._reset_messages()
+
+    def _reset_messages(self):
+        # the losses since the last message and whether a Ctrl-C came; the losses a message carries, the message for
+        # the gradients' hook, what came back (the hook's), the Ctrl-C flag on its way through the host's group (nccl)
+        self._losses, self._here, self._sent, self._outgoing, self._incoming, self._flag = [], False, [], None, None, None
 
     def check_fit(self):
         if not isinstance(getattr(self.learn.dls.train, 'sampler', None), DistributedSampler):
@@ -238,12 +244,14 @@ class DataParallel(Callback):
 
     def before_fit(self):
         self._join()
-        self._losses, self._here = [], False
+        self._reset_messages()
         if not self.distributed: return
         # one wrapper for all the fits of a `with` block (making one costs collectives), unless it may be in a bad state
         device = next(self.model.parameters()).device
         if self._ddp is None or not self._ddp_clean or self._ddp.device_ids != _device_ids(device):
             self._ddp = DistributedDataParallel(self.model, device_ids=_device_ids(device))
+            # a hook in Python costs a little on every step: in a world of 1 the message goes on its own (`_receive`)
+            if self.world_size > 1: self._ddp.register_comm_hook(self, _carry_messages)
         self.learn.training_module, self._ddp_clean = self._ddp, False
         self._set_hooks(any_process=partial(any_process, group=self._host_group))
 
@@ -251,24 +259,29 @@ class DataParallel(Callback):
 
     def before_train(self): self.learn.dls.train.sampler.set_epoch(self.learn.epoch)
 
-    def after_batch(self):
+    def before_backward(self):
         learn = self.learn  # read directly: this runs every batch
-        if not learn.training or not self.distributed: return
-        gate = learn.interrupts
-        if gate.pending is not None: self._here, gate.pending = True, None  # held back until every rank knows
-        if learn.loss is not None: self._losses.append(learn.loss)
-        if len(self._losses) >= self.agree_every or learn.iter == learn.n_iter - 1:
-            if self._agree(): gate.pending = (signal.SIGINT, None)  # in every rank, after this same batch
+        if not self.distributed: return
+        self._hold_interrupt(learn.interrupts)
+        self._losses.append(learn.loss)
+        if len(self._losses) >= self.agree_every or learn.iter == learn.n_iter - 1: self._send()
 
-    def after_train(self): self._agree()  # a training phase cut short: its last losses too
+    def after_batch(self):
+        learn = self.learn
+        if not learn.training or not self.distributed: return
+        self._hold_interrupt(learn.interrupts)
+        if self._sent and self._receive(): learn.interrupts.pending = (signal.SIGINT, None)  # every rank, this batch
+
+    def after_train(self): self._flush()  # a training phase cut short: its last losses too
     def after_fit(self):
-        self._agree()  # a fit stopped by NaNCapture, in every rank: its last losses too
+        self._flush()  # a fit stopped by NaNCapture, in every rank: its last losses too
         # a fit stopped in its training phase may have stopped between DDP's forward and backward: a new wrapper then
         self._ddp_clean = not self.learn.training
 
     def cleanup_fit(self):
         self._set_hooks(sum_over_processes=None, any_process=None)
-        self.learn.training_module, self._joined, self._losses = None, False, []
+        self.learn.training_module, self._joined = None, False
+        self._reset_messages()  # a fit ended by an error may leave a message the other ranks will never answer
 
     def restore_shown(self):
         "Give back to the callbacks quietened in ranks other than 0 what they showed or saved (when the block ends)."
@@ -281,23 +294,60 @@ def _device_ids(device): return [device.index] if device.type == 'cuda' else Non
 _DECIDE_ALONE = (LRFinder, TerminateOnNaN)
 
 # %% ../nbs/15_distributed.ipynb #c023
+def _carry_messages(callback, bucket):
+    "DDP's all-reduce of a bucket of gradients (their mean), which also carries the callback's message, if it has one."
+    message, grads = callback._outgoing, bucket.buffer()
+    if message is None or bucket.index() != 0:  # as DDP does without a hook
+        return dist.all_reduce(grads.div_(callback.world_size), async_op=True).get_future().then(_first_tensor)
+    callback._outgoing, size = None, len(message)
+    both = torch.cat([grads, message.to(grads)]).div_(callback.world_size)  # means: of the gradients and of the losses
+    def split(done):
+        total = done.value()[0]
+        grads.copy_(total[:-size])
+        callback._incoming = total[-size:]
+        return grads
+    return dist.all_reduce(both, async_op=True).get_future().then(split)
+
+def _first_tensor(done): return done.value()[0]  # DDP takes a future of a tensor, all_reduce's is of a list of them
+
 @patch
-def _agree(self:DataParallel):
-    "Sum the losses of the last steps over the ranks, in place (their mean: equal batches), and whether a Ctrl-C came; reset both."
-    if not self.distributed or not self._losses: return False
-    losses = torch.stack(self._losses) / self.world_size
-    flag = torch.tensor([float(self._here)])
-    if self._host_group is None:  # gloo: one message carries both
-        message = torch.cat([losses, flag.to(losses)])
-        dist.all_reduce(message)
-        losses, stop = message[:-1], bool(message[-1])
-    else:  # the losses stay on their GPU (no wait for them), the flag goes through the host's group
-        dist.all_reduce(losses)
-        dist.all_reduce(flag, group=self._host_group)
-        stop = bool(flag)
-    for kept, total in zip(self._losses, losses.unbind()): kept.copy_(total)  # the tensors the Recorder holds
-    self._losses, self._here = [], False
-    return stop
+def _hold_interrupt(self:DataParallel, gate):
+    "A Ctrl-C that came to this rank is held back until every rank knows of it."
+    if gate.pending is not None: self._here, gate.pending = True, None
+
+@patch
+def _send(self:DataParallel):
+    "Hand this step's gradients the losses since the last message and whether a Ctrl-C came (nccl: the flag goes by the host)."
+    self._sent, self._losses = self._losses, []
+    losses, flag = torch.stack(self._sent), torch.tensor([float(self._here)])
+    self._here = False
+    if self._host_group is None: self._outgoing = torch.cat([losses, flag.to(losses)])  # gloo: one message carries both
+    else:  # the losses stay on their GPU (no wait for them), the flag is a host value
+        self._outgoing, self._flag = losses, (flag, dist.all_reduce(flag, group=self._host_group, async_op=True))
+
+@patch
+def _receive(self:DataParallel):
+    "Write the mean losses that came back where the Recorder reads them; whether any rank had a Ctrl-C."
+    incoming, self._incoming = self._incoming, None
+    if incoming is None:  # no backward carried the message (its step ended before, in every rank): on its own, now
+        incoming, self._outgoing = self._outgoing.div_(self.world_size), None
+        dist.all_reduce(incoming)
+    if self._flag is None: losses, flag = incoming[:-1], incoming[-1]
+    else:
+        (flag, work), losses, self._flag = self._flag, incoming, None
+        work.wait()
+    for kept, mean in zip(self._sent, losses.unbind()): kept.copy_(mean)  # the tensors the Recorder holds
+    self._sent = []
+    return bool(flag > 0)
+
+@patch
+def _flush(self:DataParallel):
+    "At a training phase's or a fit's end: the message on hand and the losses not sent yet, agreed on now."
+    if not self.distributed: return
+    if self._sent: self._receive()
+    if self._losses:
+        self._send()
+        self._receive()
 
 @patch
 def _join(self:DataParallel):

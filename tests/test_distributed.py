@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
 from teachloop.callbacks import accuracy
-from teachloop.checkpoint import Checkpoint
+from teachloop.checkpoint import Checkpoint, SaveModel
 from teachloop.core import process_rank
 from teachloop.data import DataLoaders, digits_cnn, load_digits_tensors, tensor_dls
 from teachloop.distributed import RankFailed, check_world, digits_fit, nan_on_one_rank, run_ranks, shard_dls
@@ -129,18 +129,64 @@ def interrupted_and_resumed(folder, at, event):
     return whole, from_ctrl_c, from_epoch, stopped_at
 
 
-# The ranks agree every 8 steps and at each epoch's end (steps 7, 15 and 22 of each epoch of 23): a Ctrl-C in rank 1
-# while it draws step 27's batch, or during step 30's optimizer step, stops both ranks after step 30 (the epoch's 8th).
-@pytest.mark.parametrize('event, at', [('before_batch', 27), ('after_step', 30)])
-def test_checkpoint_and_ctrl_c_on_two_ranks_resume_exactly(tmp_path, event, at):
+# The ranks agree every 8 steps and at each epoch's end (steps 7, 15 and 22 of each epoch of 23), with the gradients of
+# that step: a Ctrl-C in rank 1 while it draws step 27's batch, or in step 30's forward pass, goes with step 30's
+# gradients and stops both ranks after step 30 (the epoch's 8th); one in step 30's optimizer step comes after that
+# message has left, goes with step 38's and stops both after step 38.
+@pytest.mark.parametrize('event, at, stop', [('before_batch', 27, 31), ('after_loss', 30, 31), ('after_step', 30, 39)])
+def test_checkpoint_and_ctrl_c_on_two_ranks_resume_exactly(tmp_path, event, at, stop):
     ranks = run_ranks(interrupted_and_resumed, tmp_path, at, event, **FORK)
-    assert ranks[0][3] == ranks[1][3] == 31
+    assert ranks[0][3] == ranks[1][3] == stop
     assert sorted(p.name for p in (tmp_path / 'cut').iterdir()) == ['epoch-001.pt', 'interrupted.pt', 'latest.pt']
     for whole, *resumed, _ in ranks:
         for fit in resumed:
             assert all(torch.equal(fit['weights'][k], w) for k, w in whole['weights'].items())
             assert fit['rows'] == whole['rows'] and fit['losses'] == whole['losses']
     assert all(torch.equal(ranks[0][0]['weights'][k], w) for k, w in ranks[1][0]['weights'].items())
+
+
+def ctrl_c_with_the_flag_through_a_host_group(through_host):
+    "A fit with a Ctrl-C in rank 1 at step 30's forward, the flag sent as with nccl (its own group) or with the gradients."
+    learn = digits_learner_fp32()
+    with learn.distributed() as parallel:
+        if through_host: parallel._host_group, parallel._made_host_group = dist.new_group(backend='gloo'), True
+        try: learn.fit(2, cbs=[CtrlC(1, 30, 'after_loss')])
+        except KeyboardInterrupt: pass
+    return learn.train_iter, learn.recorder.losses
+
+
+def test_a_ctrl_c_flag_sent_through_the_hosts_group_stops_at_the_same_step():
+    "On GPUs the flag is a host value sent apart from the losses (which ride with the gradients): same step, same losses."
+    apart, together = (run_ranks(ctrl_c_with_the_flag_through_a_host_group, through_host, **FORK) for through_host in (True, False))
+    assert [rank[0] for rank in apart] == [rank[0] for rank in together] == [31, 31]
+    assert apart[0][1] == apart[1][1] == together[0][1] and len(together[0][1]) == 31
+
+
+def save_the_best_on_two_ranks(folder):
+    "Each rank's `save` calls under SaveModel, its validation losses, and the saved file read right after the epoch's save."
+    learn = digits_learner_fp32(SaveModel('valid_loss', 'min', folder / 'best.pt'))
+    saves, read = [], []
+    plain_save = learn.save
+    def save(*args, **kwargs):
+        saves.append(learn.epoch)
+        return plain_save(*args, **kwargs)
+    learn.save = save
+    class ReadBack(Callback):
+        order = SaveModel.order + 1  # right after SaveModel: the file must be whole in every rank by then
+        def after_epoch(self):
+            saved = torch.load(folder / 'best.pt', weights_only=True)['model']
+            read.append(all(torch.equal(v, saved[k]) for k, v in self.learn.model.state_dict().items()))
+    with learn.distributed(): learn.fit(3, 0.05, cbs=[ReadBack()])
+    return saves, [row[2] for row in learn.recorder.values], read
+
+
+def test_save_model_writes_from_rank_zero_and_the_others_wait_for_it(tmp_path):
+    ranks = run_ranks(save_the_best_on_two_ranks, tmp_path, **FORK)
+    (saves0, losses, read0), (saves1, losses1, read1) = ranks
+    improved = [epoch for epoch, loss in enumerate(losses) if loss < min(losses[:epoch], default=math.inf)]
+    assert losses == losses1 and improved and saves0 == improved and saves1 == []
+    # read by both ranks right after each epoch's save: the file holds that epoch's weights exactly when it improved
+    assert read0 == read1 == [epoch in improved for epoch in range(3)]
 
 
 class Crash(Callback):

@@ -228,9 +228,11 @@ class DataParallel(Callback):
         self._reset_messages()
 
     def _reset_messages(self):
-        # the losses since the last message and whether a Ctrl-C came; the losses a message carries, the message for
-        # the gradients' hook, what came back (the hook's), the Ctrl-C flag on its way through the host's group (nccl)
-        self._losses, self._here, self._sent, self._outgoing, self._incoming, self._flag = [], False, [], None, None, None
+        # the losses since the last message (the last one counted before its backward) and whether a Ctrl-C came; the
+        # losses a message carries, the message for the gradients' hook, what came back (the hook's), the Ctrl-C flag on
+        # its way through the host's group (nccl)
+        self._losses, self._counted, self._here = [], None, False
+        self._sent, self._outgoing, self._incoming, self._flag = [], None, None, None
 
     def check_fit(self):
         if not isinstance(getattr(self.learn.dls.train, 'sampler', None), DistributedSampler):
@@ -264,13 +266,20 @@ class DataParallel(Callback):
         if not self.distributed: return
         self._hold_interrupt(learn.interrupts)
         self._losses.append(learn.loss)
+        self._counted = learn.loss
         if len(self._losses) >= self.agree_every or learn.iter == learn.n_iter - 1: self._send()
 
     def after_batch(self):
         learn = self.learn
         if not learn.training or not self.distributed: return
         self._hold_interrupt(learn.interrupts)
-        if self._sent and self._receive(): learn.interrupts.pending = (signal.SIGINT, None)  # every rank, this batch
+        if learn.loss is not None and learn.loss is not self._counted: self._losses.append(learn.loss)  # no backward came
+        stop = self._receive() if self._sent else False
+        if learn.iter == learn.n_iter - 1 and learn.epoch == learn.n_epoch - 1:
+            # no message follows the fit's last step: a Ctrl-C that came after its message had left is sent now
+            self._send()
+            stop = self._receive() or stop
+        if stop: learn.interrupts.pending = (signal.SIGINT, None)  # in every rank, after this same batch
 
     def after_train(self): self._flush()  # a training phase cut short: its last losses too
     def after_fit(self):
@@ -297,7 +306,8 @@ _DECIDE_ALONE = (LRFinder, TerminateOnNaN)
 def _carry_messages(callback, bucket):
     "DDP's all-reduce of a bucket of gradients (their mean), which also carries the callback's message, if it has one."
     message, grads = callback._outgoing, bucket.buffer()
-    if message is None or bucket.index() != 0:  # as DDP does without a hook
+    # a bucket of another dtype than the losses' would round them (bf16 weights, a float32 loss): they go on their own
+    if message is None or bucket.index() != 0 or message.dtype != grads.dtype:  # as DDP does without a hook
         return dist.all_reduce(grads.div_(callback.world_size), async_op=True).get_future().then(_first_tensor)
     callback._outgoing, size = None, len(message)
     both = torch.cat([grads, message.to(grads)]).div_(callback.world_size)  # means: of the gradients and of the losses
@@ -319,7 +329,8 @@ def _hold_interrupt(self:DataParallel, gate):
 def _send(self:DataParallel):
     "Hand this step's gradients the losses since the last message and whether a Ctrl-C came (nccl: the flag goes by the host)."
     self._sent, self._losses = self._losses, []
-    losses, flag = torch.stack(self._sent), torch.tensor([float(self._here)])
+    losses = torch.stack(self._sent) if self._sent else torch.zeros(0)  # none: the Ctrl-C flag alone
+    flag = torch.tensor([float(self._here)])
     self._here = False
     if self._host_group is None: self._outgoing = torch.cat([losses, flag.to(losses)])  # gloo: one message carries both
     else:  # the losses stay on their GPU (no wait for them), the flag is a host value
@@ -331,7 +342,7 @@ def _receive(self:DataParallel):
     incoming, self._incoming = self._incoming, None
     if incoming is None:  # no backward carried the message (its step ended before, in every rank): on its own, now
         incoming, self._outgoing = self._outgoing.div_(self.world_size), None
-        dist.all_reduce(incoming)
+        if len(incoming): dist.all_reduce(incoming)  # (nccl with the flag alone: nothing for the GPUs to sum)
     if self._flag is None: losses, flag = incoming[:-1], incoming[-1]
     else:
         (flag, work), losses, self._flag = self._flag, incoming, None

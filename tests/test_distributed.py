@@ -19,7 +19,7 @@ from teachloop.data import DataLoaders, digits_cnn, load_digits_tensors, tensor_
 from teachloop.distributed import RankFailed, check_world, digits_fit, nan_on_one_rank, run_ranks, shard_dls
 from teachloop.effective_lr import EffectiveLRTracker
 from teachloop.faults import TerminateOnNaN
-from teachloop.learner import Callback, Learner
+from teachloop.learner import CancelBackwardException, CancelBatchException, Callback, Learner
 from teachloop.nan_capture import replay_nan
 from teachloop.optimizer import SGD, Adam
 from teachloop.random_state import set_seed
@@ -187,6 +187,54 @@ def test_save_model_writes_from_rank_zero_and_the_others_wait_for_it(tmp_path):
     assert losses == losses1 and improved and saves0 == improved and saves1 == []
     # read by both ranks right after each epoch's save: the file holds that epoch's weights exactly when it improved
     assert read0 == read1 == [epoch in improved for epoch in range(3)]
+
+
+class OwnLosses(Callback):
+    "This rank's own loss of each training batch, read before DataParallel sends it; cancel (in every rank) some batches."
+    order = 10
+    def __init__(self, cancel=None): self.cancel, self.seen = cancel, []
+    def after_loss(self):
+        if not self.learn.training: return
+        self.seen.append(self.learn.loss.item())
+        if self.cancel is CancelBatchException and self.learn.iter % 5 == 3: raise self.cancel()
+    def before_backward(self):  # a backward cancelled by a callback that runs before DataParallel's `before_backward`
+        if self.cancel is CancelBackwardException and self.learn.iter % 5 == 4: raise self.cancel()
+
+
+def own_and_recorded_losses(dtype, cancel):
+    "A fit of one epoch: each batch's loss as this rank computed it, and as the Recorder holds it."
+    set_seed(0)
+    x, y = load_digits_tensors()
+    own = OwnLosses(cancel)
+    learn = Learner(tensor_dls(x.to(dtype), y, bs=32), digits_cnn().to(dtype),
+                    lambda pred, target: torch.nn.functional.cross_entropy(pred.float(), target),  # a float32 loss
+                    opt_func=SGD_MOM, lr=0.1, cbs=[own])
+    learn.progress.show_bar = learn.progress.print_rows = False
+    with learn.distributed(): learn.fit(1)
+    return own.seen, learn.recorder.losses
+
+
+@pytest.mark.parametrize('dtype, cancel', [(torch.float32, CancelBatchException), (torch.float32, CancelBackwardException),
+                                           (torch.bfloat16, None)])
+def test_recorded_losses_are_the_means_over_the_ranks(dtype, cancel):
+    "Also of batches cancelled before their backward (no gradients carry them), and of a float32 loss of bf16 weights."
+    (own0, recorded0), (own1, recorded1) = run_ranks(own_and_recorded_losses, dtype, cancel, **FORK)
+    assert recorded0 == recorded1 and len(recorded0) == len(own0) == 23
+    # float32 losses, halved and summed in float32: a rounding of 2**-24 relative each time, 1e-6 leaves room for two
+    assert all(math.isclose(mean, (a + b) / 2, rel_tol=1e-6) for mean, a, b in zip(recorded0, own0, own1))
+
+
+def ctrl_c_at_the_fits_last_step(event):
+    learn = digits_learner_fp32()
+    try:
+        with learn.distributed(): learn.fit(1, cbs=[CtrlC(1, 22, event)])
+    except KeyboardInterrupt: return learn.train_iter
+    return None
+
+
+@pytest.mark.parametrize('event', ['after_backward', 'after_step'])
+def test_a_ctrl_c_after_the_fits_last_message_left_still_stops_every_rank(event):
+    assert run_ranks(ctrl_c_at_the_fits_last_step, event, **FORK) == [23, 23]
 
 
 class Crash(Callback):

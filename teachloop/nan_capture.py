@@ -146,6 +146,13 @@ class NaNCapture(Callback):
             path = path.with_name(f"{path.stem}-rank{torch.distributed.get_rank()}{path.suffix}")
         return os.fspath(path)
 
+    def check_fit(self):
+        # several processes must stop at one step, which a deferred answer (read when this GPU has it) cannot promise
+        if self.sync_free and _several_processes():
+            raise ValueError("NaNCapture(sync_free=True) reads each check's answer when its GPU has it, at a step that "
+                             "differs between processes, which must all stop at the same one: with several processes "
+                             "use sync_free=None (the default) or False")
+
     def before_fit(self):
         # Checked again before the first step: the folder may have changed since, or torch.distributed started
         self.path = self._capture_path()
@@ -153,7 +160,8 @@ class NaNCapture(Callback):
         self._params = [p for _, p in self._named]
         devices = {p.device for p in self._params}
         device = devices.pop() if len(devices) == 1 else None
-        deferred = self.sync_free if self.sync_free is not None else (self.check_every > 1 and getattr(device, 'type', '') == 'cuda')
+        deferred = self.sync_free if self.sync_free is not None else (
+            self.check_every > 1 and getattr(device, 'type', '') == 'cuda' and not _several_processes())
         if deferred and device is None:
             raise ValueError("NaNCapture(sync_free=True) needs every trained parameter on one device; "
                              "use sync_free=False for this model")
@@ -251,6 +259,10 @@ class NaNCapture(Callback):
         except CancelFitException: pass  # the fit is ending anyway
 
     cleanup_fit = after_fit  # a fit ended by an error or Ctrl-C: settle before a Checkpoint (order 70) saves the weights
+
+def _several_processes():
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 # %% ../nbs/12_nan_capture.ipynb #c029
 @dataclass

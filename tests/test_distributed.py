@@ -20,7 +20,7 @@ from teachloop.distributed import RankFailed, check_world, digits_fit, nan_on_on
 from teachloop.effective_lr import EffectiveLRTracker
 from teachloop.faults import TerminateOnNaN
 from teachloop.learner import CancelBackwardException, CancelBatchException, Callback, Learner
-from teachloop.nan_capture import replay_nan
+from teachloop.nan_capture import NaNCapture, replay_nan
 from teachloop.optimizer import SGD, Adam
 from teachloop.random_state import set_seed
 
@@ -235,6 +235,20 @@ def ctrl_c_at_the_fits_last_step(event):
 @pytest.mark.parametrize('event', ['after_backward', 'after_step'])
 def test_a_ctrl_c_after_the_fits_last_message_left_still_stops_every_rank(event):
     assert run_ranks(ctrl_c_at_the_fits_last_step, event, **FORK) == [23, 23]
+
+
+def refuse_a_deferred_nan_check(folder):
+    learn = digits_learner_fp32(NaNCapture(folder, check_every=2, sync_free=True))
+    weights = [p.clone() for p in learn.model.parameters()]
+    with learn.distributed():
+        try: learn.fit(1)
+        except ValueError as e: return str(e), all(torch.equal(a, b) for a, b in zip(weights, learn.model.parameters()))
+
+
+def test_nan_capture_refuses_deferred_answers_when_several_processes_train(tmp_path):
+    "Each rank would read its answer at its own step: refused before the fit changes anything."
+    for message, untouched in run_ranks(refuse_a_deferred_nan_check, tmp_path, **FORK):
+        assert 'NaNCapture(sync_free=True)' in message and 'with several processes' in message and untouched
 
 
 class Crash(Callback):

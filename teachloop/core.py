@@ -93,7 +93,11 @@ def wait_for_processes():
 # %% ../nbs/00a_core.ipynb #c010b
 class InterruptGate:
     "While held, a Ctrl-C is noted instead of raised, and delivered when the gate is released."
-    def __init__(self): self.holding, self.pending, self.previous = False, None, None
+    def __init__(self):
+        self.holding, self.pending, self.previous = False, None, None
+        # a function that may take over an interrupt noted while held (it returns True when it does): several processes
+        # training together deliver a Ctrl-C only once every one of them knows of it
+        self.defer = None
 
     @contextmanager
     def installed(self):
@@ -114,7 +118,7 @@ class InterruptGate:
         self.holding = False
         if self.pending is not None:
             pending, self.pending = self.pending, None
-            self._deliver(*pending)
+            if self.defer is None or not self.defer(pending): self._deliver(*pending)
 
     def _on_interrupt(self, signum, frame):
         if self.holding and self.pending is None: self.pending = (signum, frame)

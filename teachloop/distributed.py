@@ -225,6 +225,7 @@ class DataParallel(Callback):
         check_count('agree_every', agree_every)
         self.agree_every, self._ddp, self._quietened, self._joined, self.rank, self.world_size = agree_every, None, [], False, 0, 1
         self.distributed, self._ddp_clean, self._made_host_group = False, False, False
+        self._agreed = (signal.SIGINT, None)  # the Ctrl-C that every rank knows of, delivered by the learner's gate
         self._reset_messages()
 
     def _reset_messages(self):
@@ -255,6 +256,7 @@ class DataParallel(Callback):
             # a hook in Python costs a little on every step: in a world of 1 the message goes on its own (`_receive`)
             if self.world_size > 1: self._ddp.register_comm_hook(self, _carry_messages)
         self.learn.training_module, self._ddp_clean = self._ddp, False
+        self.learn.interrupts.defer = self._defer_interrupt  # a Ctrl-C noted after this callback's `after_batch`
         self._set_hooks(any_process=partial(any_process, group=self._host_group))
 
     def before_validate(self): self._join()  # `learn.validate()` in the block too, where no fit came first
@@ -279,7 +281,7 @@ class DataParallel(Callback):
             # no message follows the fit's last step: a Ctrl-C that came after its message had left is sent now
             self._send()
             stop = self._receive() or stop
-        if stop: learn.interrupts.pending = (signal.SIGINT, None)  # in every rank, after this same batch
+        if stop: learn.interrupts.pending = self._agreed  # in every rank, after this same batch
 
     def after_train(self): self._flush()  # a training phase cut short: its last losses too
     def after_fit(self):
@@ -289,7 +291,7 @@ class DataParallel(Callback):
 
     def cleanup_fit(self):
         self._set_hooks(sum_over_processes=None, any_process=None)
-        self.learn.training_module, self._joined = None, False
+        self.learn.training_module, self.learn.interrupts.defer, self._joined = None, None, False
         self._reset_messages()  # a fit ended by an error may leave a message the other ranks will never answer
 
     def restore_shown(self):
@@ -324,6 +326,13 @@ def _first_tensor(done): return done.value()[0]  # DDP takes a future of a tenso
 def _hold_interrupt(self:DataParallel, gate):
     "A Ctrl-C that came to this rank is held back until every rank knows of it."
     if gate.pending is not None: self._here, gate.pending = True, None
+
+@patch
+def _defer_interrupt(self:DataParallel, pending):
+    "The gate's `defer`: keep a Ctrl-C that came to this rank alone for the next message; deliver the agreed one."
+    if pending is self._agreed: return False
+    self._here = True
+    return True
 
 @patch
 def _send(self:DataParallel):

@@ -94,8 +94,8 @@ def test_a_nan_on_rank_one_stops_both_ranks_at_that_step(tmp_path):
 
 class CtrlC(Callback):
     "A Ctrl-C that reaches rank `rank` alone at `event` of training step `at`."
-    def __init__(self, rank, at, event):
-        self.rank, self.at = rank, at
+    def __init__(self, rank, at, event, order=0):
+        self.rank, self.at, self.order = rank, at, order
         setattr(self, event, self.interrupt)
     def interrupt(self):
         if self.learn.training and self.learn.train_iter == self.at and process_rank() == self.rank:
@@ -235,6 +235,21 @@ def ctrl_c_at_the_fits_last_step(event):
 @pytest.mark.parametrize('event', ['after_backward', 'after_step'])
 def test_a_ctrl_c_after_the_fits_last_message_left_still_stops_every_rank(event):
     assert run_ranks(ctrl_c_at_the_fits_last_step, event, **FORK) == [23, 23]
+
+
+def ctrl_c_after_data_parallels_after_batch():
+    "A Ctrl-C in rank 1 in a callback's `after_batch` after DataParallel's (order 45): the Recorder's, a Checkpoint's."
+    learn = digits_learner_fp32()
+    try:
+        # `train_iter` counts step 30 done in `after_batch` (order -10): 31 is step 30's, a step carrying a message
+        with learn.distributed(): learn.fit(2, cbs=[CtrlC(1, 31, 'after_batch', order=60)])
+    except KeyboardInterrupt: return learn.train_iter
+    return None
+
+
+def test_a_ctrl_c_late_in_a_batch_waits_for_the_next_message_in_every_rank():
+    "Rank 1's gate hands it to DataParallel instead of raising it alone: both ranks stop after step 38, the next message."
+    assert run_ranks(ctrl_c_after_data_parallels_after_batch, **FORK) == [39, 39]
 
 
 def refuse_a_deferred_nan_check(folder):

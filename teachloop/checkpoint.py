@@ -10,13 +10,14 @@ import math
 import os
 import warnings
 from collections import defaultdict
+from functools import partial
 from pathlib import Path
 
 import torch
 from fastcore.basics import patch
 
 from .core import (atomic_save, check_count, check_mode, check_save_folder, check_save_path, process_rank,
-                            wait_for_processes)
+                            written_by_rank_zero)
 from .learner import (Callback, CancelFitException, Learner, check_state_matches, optimizer_with_state,
                                restore_training_state)
 from .random_state import loader_generators, rng_readers, rng_states, saveable_rng, set_rng_states
@@ -265,8 +266,7 @@ class Checkpoint(Callback):
     def after_epoch(self):
         done = self.epoch + 1
         if done % self.every_n_epochs: return
-        if process_rank() == 0: self._write_epoch(done)
-        wait_for_processes()
+        written_by_rank_zero(partial(self._write_epoch, done), f"the checkpoint of epoch {done}")
 
     def _write_epoch(self, done):
         path = self.learn.save_checkpoint(self.folder / f'epoch-{done:03d}.pt')
@@ -327,8 +327,8 @@ class SaveModel(TrackerCallback):
     def after_epoch(self):
         super().after_epoch()
         if not self.improved: return  # decided alike in every process: the values are the ones summed over them
-        if process_rank() == 0: self.learn.save(self.path, with_opt=False)  # the weights are the same in each
-        wait_for_processes()
+        # the weights are the same in each process: rank 0 writes them
+        written_by_rank_zero(partial(self.learn.save, self.path, with_opt=False), f"the best weights to {self.path}")
 
 class EarlyStopping(TrackerCallback):
     "Stop the fit after `patience` epochs without improvement of `monitor`; optionally end with the best weights."

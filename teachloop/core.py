@@ -16,7 +16,7 @@ import torch
 
 # %% auto #0
 __all__ = ['default_device', 'to_device', 'check_save_path', 'check_save_folder', 'atomic_save', 'process_rank',
-           'wait_for_processes', 'InterruptGate', 'check_count', 'check_mode']
+           'written_by_rank_zero', 'InterruptGate', 'check_count', 'check_mode']
 
 # %% ../nbs/00a_core.ipynb #c005
 def default_device():
@@ -85,10 +85,22 @@ def process_rank():
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     return torch.distributed.get_rank() if distributed else 0
 
-def wait_for_processes():
-    "Wait until every process training together under torch.distributed gets here (a barrier); alone, return at once."
-    if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        torch.distributed.barrier()
+def written_by_rank_zero(write,  # a function writing a file, run in the process of rank 0 only
+                         what,  # what it writes, for the other processes' error message
+                        ):
+    "Run `write()` in the process of rank 0 while the others wait for it; an error there stops every process."
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1): return write()
+    error = None
+    if dist.get_rank() == 0:
+        try: write()
+        except Exception as e: error = e
+    # rank 0 tells the others how it went (an object broadcast works with every backend, gloo and nccl alike)
+    news = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(news, src=0)
+    if error is not None: raise error
+    if news[0] is not None:
+        raise RuntimeError(f"the process of rank 0 could not write {what} ({news[0]}); every process stops with it")
 
 # %% ../nbs/00a_core.ipynb #c010b
 class InterruptGate:

@@ -266,6 +266,33 @@ def test_nan_capture_refuses_deferred_answers_when_several_processes_train(tmp_p
         assert 'NaNCapture(sync_free=True)' in message and 'with several processes' in message and untouched
 
 
+class BlockOnRankZero(Callback):
+    "In rank 0, put a folder where the file `path` is about to be written (at the first epoch's end): its write fails."
+    order = 0
+    def __init__(self, path): self.path = path
+    def after_epoch(self):
+        if process_rank() == 0 and self.epoch == 0: self.path.mkdir()
+
+
+def a_write_that_fails_on_rank_zero(folder, saver):
+    path = folder / 'best.pt' if saver == 'SaveModel' else folder / 'epoch-001.pt'
+    cb = SaveModel('valid_loss', 'min', path) if saver == 'SaveModel' else Checkpoint(folder)
+    learn = digits_learner_fp32(cb, BlockOnRankZero(path))
+    start = time.monotonic()
+    try:
+        with learn.distributed(): learn.fit(2)
+    except Exception as e: return type(e).__name__, str(e), time.monotonic() - start, learn.epoch
+    return None
+
+
+@pytest.mark.parametrize('saver', ['SaveModel', 'Checkpoint'])
+def test_a_write_that_fails_in_rank_zero_stops_every_rank_with_its_reason(tmp_path, saver):
+    (kind0, message0, seconds0, epoch0), (kind1, message1, seconds1, epoch1) = run_ranks(
+        a_write_that_fails_on_rank_zero, tmp_path, saver, **FORK)
+    assert kind0 == 'IsADirectoryError' and epoch0 == epoch1 == 0 and max(seconds0, seconds1) < 60
+    assert kind1 == 'RuntimeError' and 'rank 0 could not write' in message1 and 'IsADirectoryError' in message1
+
+
 class Crash(Callback):
     "Raise in rank `rank` at training step `at`."
     def __init__(self, rank, at): self.rank, self.at = rank, at

@@ -16,7 +16,7 @@ import torch
 
 # %% auto #0
 __all__ = ['default_device', 'to_device', 'check_save_path', 'check_save_folder', 'atomic_save', 'process_rank',
-           'written_by_rank_zero', 'InterruptGate', 'check_count', 'check_mode']
+           'several_processes', 'written_by_rank_zero', 'InterruptGate', 'check_count', 'check_mode']
 
 # %% ../nbs/00a_core.ipynb #c005
 def default_device():
@@ -85,12 +85,17 @@ def process_rank():
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     return torch.distributed.get_rank() if distributed else 0
 
+def several_processes():
+    "Whether this process trains together with others under torch.distributed (a world of more than 1)."
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
 def written_by_rank_zero(write,  # a function writing a file, run in the process of rank 0 only
                          what,  # what it writes, for the other processes' error message
                         ):
     "Run `write()` in the process of rank 0 while the others wait for it; an error there stops every process."
+    if not several_processes(): return write()
     dist = torch.distributed
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1): return write()
     error = None
     if dist.get_rank() == 0:
         try: write()

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .core import atomic_save, check_count, check_save_path, to_device
+from .core import atomic_save, check_count, check_save_path, several_processes, to_device
 from .learner import Callback, CancelFitException, restore_training_state
 from .random_state import rng_readers, same_state, saveable_rng, set_rng_states
 
@@ -148,7 +148,7 @@ class NaNCapture(Callback):
 
     def check_fit(self):
         # several processes must stop at one step, which a deferred answer (read when this GPU has it) cannot promise
-        if self.sync_free and _several_processes():
+        if self.sync_free and several_processes():
             raise ValueError("NaNCapture(sync_free=True) reads each check's answer when its GPU has it, at a step that "
                              "differs between processes, which must all stop at the same one: with several processes "
                              "use sync_free=None (the default) or False")
@@ -161,7 +161,7 @@ class NaNCapture(Callback):
         devices = {p.device for p in self._params}
         device = devices.pop() if len(devices) == 1 else None
         deferred = self.sync_free if self.sync_free is not None else (
-            self.check_every > 1 and getattr(device, 'type', '') == 'cuda' and not _several_processes())
+            self.check_every > 1 and getattr(device, 'type', '') == 'cuda' and not several_processes())
         if deferred and device is None:
             raise ValueError("NaNCapture(sync_free=True) needs every trained parameter on one device; "
                              "use sync_free=False for this model")
@@ -259,10 +259,6 @@ class NaNCapture(Callback):
         except CancelFitException: pass  # the fit is ending anyway
 
     cleanup_fit = after_fit  # a fit ended by an error or Ctrl-C: settle before a Checkpoint (order 70) saves the weights
-
-def _several_processes():
-    dist = torch.distributed
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 # %% ../nbs/12_nan_capture.ipynb #c029
 @dataclass

@@ -22,7 +22,7 @@ from .dashboard_controls import FitControls, FitHandle, SteeringCallback, fit_ba
 from .dashboard_plot import EXTRA_PANELS, DashboardPlot
 from .dashboard_widget import DashboardWidget, LiveDisplay
 from .effective_lr import UpdateRatio, effective_lr_stats, layer_label, layer_name
-from .layer_stats import LayerStats
+from .layer_stats import LayerStats, layer_module
 from .sharpness import Sharpness
 
 # %% auto #0
@@ -236,8 +236,8 @@ def _panel_values(self:TrainingDashboard) -> dict:
     if 'layers' in self.panels:
         stats = self.panels['layers']
         shares = {**stats.history('saturated'), **stats.history('dead')}
-        values['layer_shares'] = {f"{name} {self._module_kinds[name]}": tuple(np.array(v, dtype=float) for v in zip(*points))
-                                  for name, points in shares.items()}
+        values['layer_shares'] = {f"{label} {self._module_kinds[layer_module(label)]}":
+                                  tuple(np.array(v, dtype=float) for v in zip(*points)) for label, points in shares.items()}
     return values
 
 @patch

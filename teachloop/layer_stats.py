@@ -15,7 +15,8 @@ from .core import check_count
 from .learner import Callback
 
 # %% auto #0
-__all__ = ['SATURATING', 'RECTIFYING', 'HISTOGRAM_VALUES', 'saturated_share', 'dead_share', 'LayerStats', 'plot_layer_histograms']
+__all__ = ['SATURATING', 'RECTIFYING', 'HISTOGRAM_VALUES', 'saturated_share', 'dead_share', 'call_labels', 'layer_module',
+           'LayerStats', 'plot_layer_histograms']
 
 # %% ../nbs/10b_layer_stats.ipynb #l004
 SATURATING = (nn.Tanh, nn.Sigmoid, nn.Hardtanh)
@@ -52,6 +53,15 @@ def _histogram(t, bins):
 def _activation_modules(model):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, SATURATING + RECTIFYING)]
 
+def call_labels(name, n_calls):
+    "The labels of a module's calls in one forward: its name, or `name#1`, `name#2`, ... when it ran several times."
+    return [name] if n_calls == 1 else [f'{name}#{i}' for i in range(1, n_calls + 1)]
+
+def layer_module(label):
+    "The name of the module a layer label of `LayerStats` refers to: `layer1.0.relu#2` -> `layer1.0.relu`."
+    name, mark, call = label.rpartition('#')
+    return name if mark and call.isdigit() else label
+
 class LayerStats(Callback):
     "Histograms and summaries of each activation layer's output and gradient, and of the weights' gradients, at ticks."
     order, run_valid = 60, False
@@ -82,8 +92,10 @@ class LayerStats(Callback):
 
     def _keep(self, name):
         def hook(module, inputs, output):
-            self._outputs[name] = (module, output.detach(), [None])
-            if output.requires_grad: output.register_hook(lambda grad: self._outputs[name][2].__setitem__(0, grad))
+            # one record per call: a module may run several times in a forward, each output with its own gradient
+            grad = [None]
+            self._outputs.setdefault(name, []).append((module, output.detach(), grad))
+            if output.requires_grad: output.register_hook(lambda g: grad.__setitem__(0, g))
         return hook
 
     def after_backward(self):
@@ -92,10 +104,16 @@ class LayerStats(Callback):
         self.ticks.append(self._summarise())
         self._outputs = {}
 
+    def _calls(self):
+        "`(label, module name, module, output, gradient)` of every call of the watched modules in the tick's forward."
+        for name, calls in self._outputs.items():
+            for label, (module, a, (grad,)) in zip(call_labels(name, len(calls)), calls):
+                yield label, name, module, a, grad
+
     def _summarise(self):
-        scalars, hists, layers = [], [], []
-        for name, (module, a, (grad,)) in self._outputs.items():
-            entry = {'layer': name, 'saturated': saturated_share(module, a), 'dead': dead_share(module, a),
+        hists, layers = [], []
+        for label, name, module, a, grad in self._calls():
+            entry = {'layer': label, 'module': name, 'saturated': saturated_share(module, a), 'dead': dead_share(module, a),
                      'mean': a.to(_real(a)).mean(), 'std': a.to(_real(a)).std(),
                      'grad_std': None if grad is None else grad.to(_real(grad)).std()}
             hists.append(_histogram(a, self.bins))
@@ -131,7 +149,7 @@ class LayerStats(Callback):
     def cleanup_fit(self): self._remove_hooks()
 
     def history(self, key):
-        "`{layer: [(step, value), ...]}` of one summary (`saturated`, `dead`, `std`, `grad_std`, ...) over the ticks."
+        "`{layer label: [(step, value), ...]}` of one summary (`saturated`, `dead`, `std`, `grad_std`, ...) over the ticks."
         out = {}
         for tick in self.ticks:
             for entry in tick['layers']:

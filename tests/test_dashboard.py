@@ -292,6 +292,23 @@ def test_sharpness_and_layer_panels_show_what_their_callbacks_measured(tmp_path)
     assert (tmp_path / 'final.png').read_bytes()[:4] == b'\x89PNG'
 
 
+class TwiceReLU(nn.Module):
+    "The digits CNN whose last ReLU runs twice, as torchvision's BasicBlock calls its `relu` before and after a sum."
+    def __init__(self):
+        super().__init__()
+        self.body, self.relu = digits_cnn(), nn.ReLU()
+    def forward(self, x): return self.body(x) + self.relu(self.relu(x.flatten(1)[:, :10]) - 0.5)
+
+
+def test_the_layer_panel_names_each_call_of_a_module_called_twice():
+    learn = digits_learner(model_fn=TwiceReLU)
+    stats, dashboard = LayerStats(every=5, modules=['relu']), TrainingDashboard(refresh=0.)
+    learn.fit(1, cbs=[dashboard, stats])
+    shares = dashboard.snapshot()['layer_shares']
+    assert list(shares) == ['relu#1 ReLU', 'relu#2 ReLU']
+    assert shares['relu#2 ReLU'][1].tolist() == [v for _, v in stats.history('dead')['relu#2']]
+
+
 def test_effective_lrs_are_kept_over_the_fit_and_bounded(tmp_path):
     learn = digits_learner()
     dashboard = TrainingDashboard(refresh=0., max_points=8, save_path=tmp_path / 'final.png')

@@ -138,3 +138,51 @@ def test_no_host_reads_between_ticks(host_reads):
     new_reads = [b - a for a, b in zip([0] + per_batch, per_batch)]
     assert [i for i, n in enumerate(new_reads) if n] == [0, 4], new_reads  # the host waits at ticks only
     assert new_reads[0] == new_reads[4] == 3  # summaries, histogram counts, histogram ranges: one transfer each
+
+
+class TwiceReLU(nn.Module):
+    "One ReLU called twice in a forward, as torchvision's BasicBlock calls its `relu`: after a layer and after a sum."
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.relu, self.head = nn.Linear(4, 8), nn.Linear(8, 3), nn.ReLU(), nn.Linear(3, 3)
+    def forward(self, x): return self.head(self.relu(self.fc2(self.relu(self.fc1(x))) + x[:, :3]))
+
+
+def each_call_by_hand(model, xb, yb):
+    "The outputs of every call of `model.relu`, in call order, with their gradients."
+    outputs = []
+    def keep(module, inputs, output): output.retain_grad(); outputs.append(output)
+    handle = model.relu.register_forward_hook(keep)
+    F.cross_entropy(model(xb), yb).backward()
+    handle.remove()
+    return outputs
+
+
+def test_a_module_called_twice_in_a_forward_gives_each_call_with_its_own_gradient():
+    torch.manual_seed(0)
+    model, data = TwiceReLU().double(), batches(1)
+    first, second = each_call_by_hand(copy.deepcopy(model), *data[0])
+    assert (first.numel(), second.numel()) == (128, 48)  # 16 examples of 8 units, then of 3
+    stats = LayerStats(every=1, bins=10)
+    learner(model, data, [stats]).fit(1)
+    layers = {e['layer']: e for e in stats.ticks[0]['layers']}
+    assert list(layers) == ['relu#1', 'relu#2'] and {e['module'] for e in layers.values()} == {'relu'}
+    for name, out in (('relu#1', first), ('relu#2', second)):
+        entry = layers[name]
+        assert entry['std'] == pytest.approx(out.std().item(), rel=RTOL)
+        assert entry['grad_std'] == pytest.approx(out.grad.std().item(), rel=RTOL)
+        assert entry['dead'] == pytest.approx(1 - (out > 0).any(dim=0).double().mean().item(), rel=RTOL)
+        assert entry['hist'][0].sum().item() == entry['grad_hist'][0].sum().item() == out.numel()
+        assert entry['grad_hist'][1][0].item() == out.grad.min().item()
+    assert set(stats.history('grad_std')) == {'relu#1', 'relu#2'}
+
+
+def test_a_resnet_block_shows_both_of_its_relus():
+    models = pytest.importorskip('torchvision.models.resnet')
+    torch.manual_seed(0)
+    block = models.BasicBlock(3, 3)  # its `relu` (in place) runs after bn1 and again after the sum with the input
+    model = nn.Sequential(nn.Unflatten(1, (3, 2, 2)), block, nn.Flatten(), nn.Linear(12, 3)).double()
+    data = [(torch.randn(16, 12, dtype=torch.float64), torch.randint(0, 3, (16,)))]
+    stats = LayerStats(every=1)
+    learner(model, data, [stats]).fit(1)
+    assert [(e['layer'], e['module']) for e in stats.ticks[0]['layers']] == [('1.relu#1', '1.relu'), ('1.relu#2', '1.relu')]

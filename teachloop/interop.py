@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .optimizer import _as_param_groups, check_hyper, check_state_dict_fits, spread_hyper
+from .optimizer import _as_param_groups, check_hyper, check_state_dict_fits, param_shapes, spread_hyper
 
 # %% auto #0
 __all__ = ['NORM_LAYERS', 'torch_location', 'read_hyper', 'write_hyper', 'OptimWrapper', 'split_at', 'norm_params',
@@ -66,12 +66,14 @@ class OptimWrapper:
 
     def step(self, closure=None): return self.opt.step(closure)
     def zero_grad(self, set_to_none=True): self.opt.zero_grad(set_to_none=set_to_none)
-    def state_dict(self): return self.opt.state_dict()
+    def state_dict(self):
+        "The torch optimizer's state, with the parameters' shapes (for the check on loading)."
+        return {**self.opt.state_dict(), 'param_shapes': param_shapes(self.opt)}
 
     def load_state_dict(self, state_dict):
         "Load a saved state after checking it fits; a state that does not fit changes nothing."
         check_state_dict_fits(self.opt, state_dict)
-        self.opt.load_state_dict(state_dict)
+        self.opt.load_state_dict({k: v for k, v in state_dict.items() if k != 'param_shapes'})
 
     @property
     def hypers(self):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
@@ -16,8 +17,9 @@ import torch
 __all__ = ['AT_LEAST_0', 'ABOVE_0', 'IN_0_1', 'MISSING', 'OPTIMIZER_CALLBACKS', 'FAST_STEP_PLANNERS', 'PER_PARAMETER_SETTINGS',
            'sgd_step', 'weight_decay', 'l2_reg', 'average_grad', 'momentum_step', 'average_sqr_grad', 'rms_prop_step',
            'step_stat', 'debias', 'adam_step', 'CallbackFacts', 'callback_function', 'declare_callback',
-           'callback_facts', 'check_hyper', 'spread_hyper', 'check_state_dict_fits', 'add_fast_step_planner',
-           'find_fast_step', 'torch_momentum_name', 'HyperGroup', 'Optimizer', 'SGD', 'RMSProp', 'Adam', 'run_steps']
+           'callback_facts', 'check_hyper', 'spread_hyper', 'param_shapes', 'check_state_dict_fits',
+           'add_fast_step_planner', 'find_fast_step', 'torch_momentum_name', 'HyperGroup', 'Optimizer',
+           'gradients_kept', 'SGD', 'RMSProp', 'Adam', 'run_steps']
 
 # %% ../nbs/01_optimizer.ipynb #c018
 def sgd_step(p, lr, **kwargs):
@@ -95,6 +97,8 @@ class CallbackFacts:
     hypers: object = MISSING  # rules for the hyper-parameters it reads: {name: (check(value), what it must be)}
     multi_tensor: object = MISSING  # its version working on a whole group of tensors at once (notebook 08)
     effective_lr: object = MISSING  # `f(p, state, **hypers)`: its factor on each element's step, None if it has none (notebook 10)
+    changes_grad: bool = False  # it writes into `p.grad` (L2 adds to it): the optimizer then hands it a copy
+    per_group: tuple = ()  # run once per group, not per parameter: the names of the values it keeps in the group
 
     def missing(self):
         "The names of the facts not declared yet."
@@ -109,7 +113,7 @@ def callback_function(cb):
     return cb
 
 def declare_callback(callback, **facts):
-    "Record `facts` (`hypers`, `multi_tensor`, `effective_lr`) about the optimizer callback `callback`; return it."
+    "Record `facts` (`hypers`, `multi_tensor`, `effective_lr`, `changes_grad`, `per_group`) about the optimizer callback `callback`; return it."
     unknown = set(facts) - set(vars(CallbackFacts()))
     if unknown: raise TypeError(f"unknown facts {sorted(unknown)}; an optimizer callback has {sorted(vars(CallbackFacts()))}")
     for name, rule in facts.get('hypers', {}).items():
@@ -136,7 +140,7 @@ def check_hyper(name, value):
 # %% ../nbs/01_optimizer.ipynb #o05
 declare_callback(sgd_step, hypers={'lr': AT_LEAST_0})
 declare_callback(weight_decay, hypers={'lr': AT_LEAST_0, 'wd': AT_LEAST_0})
-declare_callback(l2_reg, hypers={'wd': AT_LEAST_0})
+declare_callback(l2_reg, hypers={'wd': AT_LEAST_0}, changes_grad=True)
 declare_callback(average_grad, hypers={'mom': IN_0_1})
 declare_callback(momentum_step, hypers={'lr': AT_LEAST_0})
 declare_callback(average_sqr_grad, hypers={'sqr_mom': IN_0_1})
@@ -163,6 +167,10 @@ def spread_hyper(value, n_groups):
     return [value] * n_groups
 
 # %% ../nbs/01_optimizer.ipynb #c013
+def param_shapes(opt):
+    "The shape of every parameter of `opt`, group by group: saved with a state, so that a load can check it fits."
+    return [[list(p.shape) for p in group['params']] for group in opt.param_groups]
+
 def check_state_dict_fits(opt, state_dict):
     "Raise a `ValueError` saying why `state_dict` cannot be loaded into `opt` (ours or any torch optimizer)."
     ours, theirs = [_callback_name(cb) for cb in getattr(opt, 'cbs', [])], state_dict.get('callbacks')
@@ -174,23 +182,36 @@ def check_state_dict_fits(opt, state_dict):
     saved_groups = state_dict['param_groups']
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(f"the state has {len(saved_groups)} parameter groups, this optimizer {len(opt.param_groups)}")
-    for i, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
-        _check_group_fits(i, saved, group, opt.defaults, state_dict['state'])
+    shapes = state_dict.get('param_shapes') or [None] * len(saved_groups)
+    for i, (saved, group, saved_shapes) in enumerate(zip(saved_groups, opt.param_groups, shapes)):
+        _check_group_fits(i, saved, group, opt.defaults)
+        if saved_shapes is not None: _check_shapes(i, saved_shapes, group)
+        else: _check_state_shapes(saved, group, state_dict['state'])
 
 # Keys torch.optim.Optimizer adds to `defaults` by itself (on loading a state), not hyper-parameters of ours.
 _TORCH_BOOKKEEPING = {'differentiable', 'foreach', 'fused', 'capturable', 'maximize'}
 # torch's names for momentum, which our groups show beside `mom` (see `HyperGroup`); older states lack them
 _TORCH_NAMES = {'momentum', 'betas'}
 
-def _check_group_fits(i, saved, group, defaults, saved_state):
+def _check_group_fits(i, saved, group, defaults):
     if len(saved['params']) != len(group['params']):
         raise ValueError(f"group {i} of the state has {len(saved['params'])} parameters, this optimizer's "
                          f"{len(group['params'])}")
     missing = sorted(set(defaults) - set(saved) - _TORCH_BOOKKEEPING - _TORCH_NAMES)
     if missing: raise ValueError(f"group {i} of the state lacks hyper-parameters {missing}: another optimizer saved it")
+
+def _check_shapes(i, saved_shapes, group):
+    for j, (shape, p) in enumerate(zip(saved_shapes, group['params'])):
+        if tuple(shape) != tuple(p.shape):
+            raise ValueError(f"parameter {j} of group {i} had shape {tuple(shape)} when the state was saved, this one "
+                             f"has shape {tuple(p.shape)}: the state was saved for another model")
+
+def _check_state_shapes(saved, group, saved_state):
+    "For a state saved without the parameters' shapes (by torch itself): its tensors that are not shaped like their parameter."
     for index, p in zip(saved['params'], group['params']):
         for name, value in saved_state.get(index, {}).items():
-            if torch.is_tensor(value) and value.dim() > 0 and value.shape != p.shape:
+            if torch.is_tensor(value) and value.dim() > 0 and value.dim() == p.dim() and value.numel() == p.numel() \
+                    and value.shape != p.shape:
                 raise ValueError(f"the saved {name!r} of parameter {index} has shape {tuple(value.shape)} but the "
                                  f"parameter has shape {tuple(p.shape)}: the state was saved for another model")
 
@@ -216,22 +237,31 @@ def torch_momentum_name(hypers):
     if 'mom' not in hypers: return None
     return 'betas' if 'sqr_mom' in hypers else 'momentum'
 
+_SET_THROUGH = {'betas': ('mom', 'sqr_mom'), 'momentum': ('mom',)}  # our names that a write of torch's name changes
+
 class HyperGroup(dict):
     "A parameter group in which torch's `momentum` or `betas` and our `mom`, `sqr_mom` stay equal, whichever is set."
-    alias = None
-    def link(self, alias):
-        "Show `mom` under torch's name `alias` from now on (None: no alias); returns the group."
-        self.alias = alias
+    alias, on_change = None, None
+    def link(self,
+             alias,  # torch's name to show `mom` under: 'betas', 'momentum' or None
+             on_change=None,  # `f(group, name, old_value)`, called after a hyper-parameter changed (None: nothing)
+            ):
+        "Show `mom` under torch's name `alias` from now on, and report changes to `on_change`; returns the group."
+        self.alias, self.on_change = alias, on_change
         if alias: self._mirror()
         return self
 
     def __setitem__(self, key, value):
+        watched = _SET_THROUGH.get(key, (key,)) if self.on_change is not None else ()
+        before = [(name, self[name]) for name in watched if name in self]
         super().__setitem__(key, value)
-        if self.alias is None: return
-        if key == 'betas' and self.alias == 'betas':
-            super().__setitem__('mom', value[0]); super().__setitem__('sqr_mom', value[1])
-        elif key == 'momentum' and self.alias == 'momentum': super().__setitem__('mom', value)
-        elif key in ('mom', 'sqr_mom'): self._mirror()
+        if self.alias is not None:
+            if key == 'betas' and self.alias == 'betas':
+                super().__setitem__('mom', value[0]); super().__setitem__('sqr_mom', value[1])
+            elif key == 'momentum' and self.alias == 'momentum': super().__setitem__('mom', value)
+            elif key in ('mom', 'sqr_mom'): self._mirror()
+        for name, old in before:
+            if self[name] is not old and self[name] != old: self.on_change(self, name, old)
 
     def _mirror(self):
         if 'mom' not in self or (self.alias == 'betas' and 'sqr_mom' not in self): return  # still being filled
@@ -284,6 +314,7 @@ def _check_no_duplicates(groups):
 # %% ../nbs/01_optimizer.ipynb #c016
 class Optimizer(torch.optim.Optimizer):
     "A torch optimizer whose `step` runs the optimizer callbacks `cbs` on each parameter."
+    kept_in_groups = ()  # names of values a subclass keeps in each group (state, not hyper-parameters)
     def __init__(self,
                  params,  # tensors, lists of tensors (one list per group), or torch-style group dicts
                  cbs,  # optimizer callbacks, run in this order on each parameter at every step
@@ -292,7 +323,7 @@ class Optimizer(torch.optim.Optimizer):
                 ):
         if fast not in (None, True, False):
             raise TypeError(f"fast must be None (fast step when there is one), True or False, got {fast!r}")
-        self.cbs, self.fast, self._fast_plans = list(cbs), fast, {}
+        self.cbs, self.fast, self._fast_plans, self._sorted = list(cbs), fast, {}, {}
         merged = {}
         for cb in self.cbs: merged.update(_callback_defaults(cb))
         merged.update(defaults)
@@ -305,28 +336,44 @@ class Optimizer(torch.optim.Optimizer):
                 if name != 'params': check_hyper(name, value)
         super().__init__([HyperGroup(group) for group in groups], merged)
         self.torch_alias = torch_momentum_name(merged)
-        for group in self.param_groups: group.link(self.torch_alias)
+        self.param_groups[:] = [self._hyper_group(group) for group in self.param_groups]
         if self.torch_alias: self.defaults[self.torch_alias] = self.param_groups[0][self.torch_alias]
 
     @torch.no_grad()
     def step(self, closure=None):
-        "Run every callback on every parameter that has a gradient."
+        "Run the callbacks: those declared per group once on each group, the others on every parameter that has a gradient."
         loss = None
         if closure is not None:
             with torch.enable_grad(): loss = closure()
         for group in self.param_groups:
             hypers = {k: v for k, v in group.items() if k != 'params'}
+            group_cbs, _, changes_grad = self._sorted_callbacks(hypers)
+            for cb in group_cbs:  # what they return is the group's state: kept in the group, saved with it
+                kept = cb(**hypers)
+                if kept: group.update(kept); hypers.update(kept)
             params = [p for p in group['params'] if p.grad is not None]
-            fast_step = self.fast_step_for(params, hypers) if params else None
-            if fast_step is not None: fast_step(params, [self.state[p] for p in params], hypers)
-            else:
-                for p in params: self.step_param(p, hypers)
+            if not params: continue
+            with gradients_kept(params, changes_grad):
+                fast_step = self.fast_step_for(params, hypers)
+                if fast_step is not None: fast_step(params, [self.state[p] for p in params], hypers)
+                else:
+                    for p in params: self.step_param(p, hypers)
         return loss
 
+    def _sorted_callbacks(self, hypers):
+        "The callbacks for a group with `hypers`: (those run once per group, those run per parameter, whether one of them changes gradients)."
+        cbs = self.callbacks_for(hypers)
+        key = tuple(map(id, cbs))
+        if key not in self._sorted:
+            facts = [callback_facts(cb) for cb in cbs]
+            self._sorted[key] = ([cb for cb, f in zip(cbs, facts) if f.per_group],
+                                 [cb for cb, f in zip(cbs, facts) if not f.per_group], any(f.changes_grad for f in facts))
+        return self._sorted[key]
+
     def step_param(self, p, hypers):
-        "Run the callbacks, in order, on parameter `p` with its group's `hypers`."
+        "Run the per-parameter callbacks, in order, on parameter `p` with its group's `hypers`."
         state = self.state[p]
-        for cb in self.callbacks_for(hypers):
+        for cb in self._sorted_callbacks(hypers)[1]:
             new_state = cb(p, **{**state, **hypers})
             if new_state: state.update(new_state)
 
@@ -337,7 +384,7 @@ class Optimizer(torch.optim.Optimizer):
     def fast_step_for(self, params, hypers=()):
         "The multi-tensor step doing what the callbacks do to `params` with `hypers`, or `None` to run the callbacks."
         if self.fast is False: return None
-        cbs = self.callbacks_for(hypers)
+        cbs = self._sorted_callbacks(hypers)[1]
         key = tuple(map(id, cbs))
         if key not in self._fast_plans: self._fast_plans[key] = find_fast_step(cbs)
         fast_step = self._fast_plans[key]
@@ -349,7 +396,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def __getstate__(self):
         "What `copy.deepcopy` and `pickle` keep: torch's state plus the callbacks (the fast step is planned again)."
-        return {**super().__getstate__(), 'cbs': self.cbs, 'fast': self.fast, '_fast_plans': {}}
+        return {**super().__getstate__(), 'cbs': self.cbs, 'fast': self.fast, '_fast_plans': {}, '_sorted': {}}
 
     def clear_state(self):
         "Forget every parameter's running state (moving averages, step counts); keep settings such as `do_wd`."
@@ -358,23 +405,37 @@ class Optimizer(torch.optim.Optimizer):
         self.state.update({p: settings for p, settings in kept.items() if settings})
 
     @property
+    def group_state(self):
+        "Names of the values kept in the groups that are state, not hyper-parameters (per-group callbacks' and `kept_in_groups`)."
+        return {*self.kept_in_groups, *(name for cb in self.cbs for name in callback_facts(cb).per_group)}
+
+    @property
     def hypers(self):
         "The hyper-parameters of each group by teachloop's names, as a list of dicts."
-        return [{k: v for k, v in group.items() if k not in ('params', self.torch_alias)} for group in self.param_groups]
+        hidden = {'params', self.torch_alias, *self.group_state}
+        return [{k: v for k, v in group.items() if k not in hidden} for group in self.param_groups]
 
     def state_dict(self):
-        "The state as `torch.optim.Optimizer` saves it, plus the names of the callbacks that made it."
-        return {**super().state_dict(), 'callbacks': [_callback_name(cb) for cb in self.cbs]}
+        "The state as `torch.optim.Optimizer` saves it, plus the names of the callbacks that made it and the parameters' shapes."
+        return {**super().state_dict(), 'callbacks': [_callback_name(cb) for cb in self.cbs],
+                'param_shapes': param_shapes(self)}
 
     def load_state_dict(self, state_dict):
         "Load a saved state after checking it fits this optimizer; a state that does not fit changes nothing."
         check_state_dict_fits(self, state_dict)
-        super().load_state_dict({k: v for k, v in state_dict.items() if k != 'callbacks'})
-        self.param_groups[:] = [HyperGroup(group).link(self.torch_alias) for group in self.param_groups]
+        super().load_state_dict({k: v for k, v in state_dict.items() if k not in ('callbacks', 'param_shapes')})
+        self.param_groups[:] = [self._hyper_group(group) for group in self.param_groups]
+
+    def _hyper_group(self, group):
+        reacts = type(self).hyper_changed is not Optimizer.hyper_changed  # else no call on every change of `lr`
+        return HyperGroup(group).link(self.torch_alias, self.hyper_changed if reacts else None)
+
+    def hyper_changed(self, group, name, old):
+        "Called after the hyper-parameter `name` of `group` changed from `old` (a subclass whose state depends on it reacts)."
 
     def set_hyper(self, name, value):
         "Set hyper-parameter `name` to `value`: a number, one value per group, or a `slice` spread across groups."
-        if name not in self.defaults:
+        if name not in self.defaults or name in self.group_state:
             raise KeyError(f"unknown hyper-parameter {name!r} for this optimizer; it has {sorted(self.defaults)}")
         values = spread_hyper(value, len(self.param_groups))
         for v in values: check_hyper(name, v)
@@ -383,6 +444,19 @@ class Optimizer(torch.optim.Optimizer):
     def __repr__(self):
         cbs = ', '.join(_callback_name(cb) for cb in self.cbs)
         return f"{type(self).__name__}(cbs=[{cbs}], groups={len(self.param_groups)}, hypers={self.hypers})"
+
+# %% ../nbs/01_optimizer.ipynb #g02
+@contextmanager
+def gradients_kept(params, copy=True):
+    "Within the block each of `params` holds a copy of its gradient (if `copy`), afterwards its own gradient again."
+    if not copy:
+        yield
+        return
+    grads = [p.grad for p in params]
+    for p in params: p.grad = p.grad.clone()
+    try: yield
+    finally:
+        for p, grad in zip(params, grads): p.grad = grad
 
 # %% ../nbs/01_optimizer.ipynb #c042
 def _decay(decouple_wd): return weight_decay if decouple_wd else l2_reg

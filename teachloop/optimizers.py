@@ -108,7 +108,8 @@ def lars_scale_grad(p, lr, wd, trust_coeff, eps, clip=False, do_wd=True, **kwarg
     p.grad.mul_(ratio)
     return {'trust_ratio': ratio}
 lars_scale_grad.defaults = dict(trust_coeff=1e-3, eps=1e-8)
-declare_callback(lars_scale_grad, hypers={'lr': AT_LEAST_0, 'wd': AT_LEAST_0, 'trust_coeff': ABOVE_0, 'eps': ABOVE_0})
+declare_callback(lars_scale_grad, hypers={'lr': AT_LEAST_0, 'wd': AT_LEAST_0, 'trust_coeff': ABOVE_0, 'eps': ABOVE_0},
+                 changes_grad=True)
 
 def LARS(params, lr, mom=0.9, wd=0., trust_coeff=1e-3, eps=1e-8, clip=False, fast=None):
     "LARS (You et al. 2017): SGD with momentum on gradients scaled per tensor; `clip=True` gives LARC."
@@ -153,6 +154,9 @@ def Lookahead(opt, k=5, alpha=0.5):
     if not isinstance(opt, Optimizer):
         raise TypeError(f"Lookahead wraps a teachloop Optimizer (e.g. `Lookahead(Adam(params, lr))`), got "
                         f"{type(opt).__name__}")
+    if type(opt) is not Optimizer:  # its list of callbacks, run by a plain Optimizer, would not do what it does
+        raise TypeError(f"Lookahead wraps an Optimizer that runs its callbacks on every group, got a "
+                        f"{type(opt).__name__}, whose step does more (callbacks by group, modes); wrap a plain one")
     groups = [dict(group) for group in opt.param_groups]
     wrapped = Optimizer(groups, [keep_slow_weights, *opt.cbs, lookahead_step], fast=opt.fast,
                         **{**opt.defaults, 'k': k, 'alpha': alpha})

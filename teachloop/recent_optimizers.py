@@ -18,9 +18,9 @@ from .optimizer import (ABOVE_0, AT_LEAST_0, IN_0_1, Optimizer, adam_step, avera
 from .optimizers import WHOLE_AT_LEAST_1
 
 # %% auto #0
-__all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'AT_MOST_0', 'AT_LEAST_1', 'WHOLE_AT_LEAST_0', 'newton_schulz',
-           'momentum_direction', 'orthogonalize_grad', 'shape_scaled_step', 'muon_lr_ratio', 'check_muon_params',
-           'check_adjust_lr', 'Muon', 'GroupedOptimizer', 'muon_splitter', 'MuonAdamW', 'by_shape',
+__all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'AT_MOST_0', 'AT_LEAST_1', 'WHOLE_AT_LEAST_0', 'SCHEDULE_FREE_CLOCK',
+           'newton_schulz', 'momentum_direction', 'orthogonalize_grad', 'shape_scaled_step', 'muon_lr_ratio',
+           'check_muon_params', 'check_adjust_lr', 'Muon', 'GroupedOptimizer', 'muon_splitter', 'MuonAdamW', 'by_shape',
            'momentum_direction_multi', 'orthogonalize_grad_multi', 'shape_scaled_step_multi', 'relative_step_size',
            'factored_sqr_grad', 'adafactor_step', 'sqr_grad_estimate', 'Adafactor', 'vectors_and_matrices',
            'relative_step_size_multi', 'factored_sqr_grad_multi', 'adafactor_step_multi', 'slow_mom_at',
@@ -63,12 +63,13 @@ def momentum_direction(p, mom, grad_avg, nesterov=True, **kwargs):
     "Replace the gradient by the direction Muon orthogonalises: Nesterov's look-ahead, or the average itself."
     if nesterov: p.grad.lerp_(grad_avg, mom)
     else: p.grad.copy_(grad_avg)
-declare_callback(momentum_direction, hypers={'mom': IN_0_1}, effective_lr=None)
+declare_callback(momentum_direction, hypers={'mom': IN_0_1}, effective_lr=None, changes_grad=True)
 
 def orthogonalize_grad(p, ns_steps, ns_eps, **kwargs):
     "Replace the gradient (a matrix) by its Newton-Schulz orthogonalisation, computed in bfloat16."
     p.grad.copy_(newton_schulz(p.grad, ns_steps, ns_eps))
-declare_callback(orthogonalize_grad, hypers={'ns_steps': NS_STEPS, 'ns_eps': ABOVE_0}, effective_lr=None)
+declare_callback(orthogonalize_grad, hypers={'ns_steps': NS_STEPS, 'ns_eps': ABOVE_0}, effective_lr=None,
+                 changes_grad=True)
 
 def shape_scaled_step(p, lr, adjust_lr, **kwargs):
     "Move `p` by `-lr` times the gradient, times the ratio its shape gets from the rule `adjust_lr`."
@@ -373,23 +374,27 @@ fused_per_parameter_on_cpu([weight_decay, partial(average_grad, dampening=True),
                             slow_average_grad, ademamix_step], ademamix_parameter)
 
 # %% ../nbs/07a_recent_optimizers.ipynb #c056
-def schedule_free_weights(p, lr, step, warmup_steps, r, weight_lr_power, lr_max=-1., weight_sum=0., **kwargs):
-    "The warmed-up learning rate and the weight of this step in Schedule-Free's average of the iterates."
+SCHEDULE_FREE_CLOCK = ('step', 'lr_max', 'weight_sum', 'scheduled_lr', 'average_weight')
+
+def schedule_free_weights(lr, warmup_steps, r, weight_lr_power, step=0, lr_max=-1., weight_sum=0., **kwargs):
+    "A group's clock, one step on: the warmed-up learning rate and the weight of this step in the average of the iterates."
+    step += 1
     scheduled_lr = lr * min(1., step / warmup_steps) if warmup_steps else lr
     lr_max = max(scheduled_lr, lr_max)
     weight = step ** r * lr_max ** weight_lr_power
     weight_sum += weight
-    return {'scheduled_lr': scheduled_lr, 'lr_max': lr_max, 'weight_sum': weight_sum,
+    return {'step': step, 'scheduled_lr': scheduled_lr, 'lr_max': lr_max, 'weight_sum': weight_sum,
             'average_weight': weight / weight_sum if weight_sum else 0.}
 declare_callback(schedule_free_weights, hypers={'lr': AT_LEAST_0, 'warmup_steps': WHOLE_AT_LEAST_0, 'r': AT_LEAST_0,
-                                                'weight_lr_power': AT_LEAST_0}, effective_lr=None)
+                                                'weight_lr_power': AT_LEAST_0},
+                 per_group=SCHEDULE_FREE_CLOCK, multi_tensor=None, effective_lr=None)
 
 def rms_normalize_grad(p, sqr_mom, step, eps, sqr_avg, **kwargs):
     "Divide the gradient by Adam's denominator, the root of the debiased average square plus `eps`."
     p.grad.div_(_adam_denominator(sqr_avg, sqr_mom, step, eps))
-declare_callback(rms_normalize_grad, hypers={'sqr_mom': IN_0_1, 'eps': ABOVE_0},
-                 effective_lr=lambda p, state, sqr_mom, eps, **hypers: 1 / _adam_denominator(
-                     state['sqr_avg'], sqr_mom, state['step'], eps))
+declare_callback(rms_normalize_grad, hypers={'sqr_mom': IN_0_1, 'eps': ABOVE_0}, changes_grad=True,
+                 effective_lr=lambda p, state, sqr_mom, eps, step, **hypers: 1 / _adam_denominator(
+                     state['sqr_avg'], sqr_mom, step, eps))
 
 def schedule_free_step(p, mom, scheduled_lr, average_weight, z=None, **kwargs):
     "Move `p` (the point y) and the fast iterate `z` by Schedule-Free's update, without forming the average x."
@@ -399,20 +404,22 @@ def schedule_free_step(p, mom, scheduled_lr, average_weight, z=None, **kwargs):
     z.sub_(p.grad, alpha=scheduled_lr)
     return {'z': z}
 declare_callback(schedule_free_step, hypers={'mom': IN_0_1},
-                 effective_lr=lambda p, state, **hypers: torch.full_like(p, state['scheduled_lr']))
+                 effective_lr=lambda p, state, scheduled_lr, **hypers: torch.full_like(p, scheduled_lr))
 
 # %% ../nbs/07a_recent_optimizers.ipynb #c057
 class ScheduleFreeOptimizer(Optimizer):
     "An `Optimizer` running Schedule-Free callbacks: `eval()` puts the average x in the parameters, `train()` the point y."
+    kept_in_groups = ('train_mode',)
     def __init__(self, params, cbs, fast=None, **defaults):
-        super().__init__(params, cbs, fast=fast, train_mode=True, **defaults)
+        super().__init__(params, cbs, fast=fast, **defaults)
         for group in self.param_groups:
-            if not group['mom'] > 0: raise ValueError(f"Schedule-Free needs mom > 0 (x = (y - (1-mom) z) / mom), got {group['mom']}")
+            _check_schedule_free_mom(group['mom'])
+            group.setdefault('train_mode', True)
 
     @torch.no_grad()
     def _switch(self, training):
         for group in self.param_groups:
-            if group['train_mode'] == training: continue
+            if group.setdefault('train_mode', True) == training: continue
             weight = 1 - group['mom'] if training else 1 - 1 / group['mom']
             for p in group['params']:
                 if 'z' in self.state[p]: p.lerp_(self.state[p]['z'], weight)
@@ -428,21 +435,37 @@ class ScheduleFreeOptimizer(Optimizer):
 
     def step(self, closure=None):
         "Take a step; refused in eval mode, where the parameters hold x instead of y."
-        if not all(group['train_mode'] for group in self.param_groups):
+        if not all(group.get('train_mode', True) for group in self.param_groups):
             raise RuntimeError("this Schedule-Free optimizer is in eval mode (its parameters hold the average x): call "
                                "`opt.train()` before stepping (a Learner does it at the start of each training phase)")
         return super().step(closure)
 
+    @torch.no_grad()
+    def hyper_changed(self, group, name, old):
+        "A new `mom` while the parameters hold y: y is made again for it from the same z and x (x stays as it was)."
+        if name != 'mom' or not group.get('train_mode', True): return
+        new = group['mom']
+        try: _check_schedule_free_mom(new)
+        except ValueError:
+            group['mom'] = old  # the value is refused: the group keeps the one y was made with
+            raise
+        for p in group['params']:  # x = (y - (1-old) z) / old, then y' = (1-new) z + new x
+            z = self.state[p].get('z')
+            if z is not None: p.mul_(new / old).add_(z, alpha=(1 - new) - (1 - old) * new / old)
+
+def _check_schedule_free_mom(mom):
+    if not mom > 0: raise ValueError(f"Schedule-Free needs mom > 0 (x = (y - (1-mom) z) / mom), got {mom}")
+
 def ScheduleFreeAdamW(params, lr=2.5e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., warmup_steps=0, r=0.,
                       weight_lr_power=2., fast=None):
     "Schedule-Free AdamW (Defazio et al. 2024), with the defaults of the `schedulefree` package."
-    cbs = [step_stat, schedule_free_weights, average_sqr_grad, rms_normalize_grad, l2_reg, schedule_free_step]
+    cbs = [schedule_free_weights, average_sqr_grad, rms_normalize_grad, l2_reg, schedule_free_step]
     return ScheduleFreeOptimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
                                  warmup_steps=warmup_steps, r=r, weight_lr_power=weight_lr_power)
 
 def ScheduleFreeSGD(params, lr=1., mom=0.9, wd=0., warmup_steps=0, r=0., weight_lr_power=2., fast=None):
     "Schedule-Free SGD (Defazio et al. 2024), with the defaults of the `schedulefree` package."
-    cbs = [step_stat, schedule_free_weights, l2_reg, schedule_free_step]
+    cbs = [schedule_free_weights, l2_reg, schedule_free_step]
     return ScheduleFreeOptimizer(params, cbs, fast=fast, lr=lr, mom=mom, wd=wd, warmup_steps=warmup_steps, r=r,
                                  weight_lr_power=weight_lr_power)
 
@@ -456,10 +479,7 @@ def each_parameter(callback):
     run.__name__, run.__doc__ = f"{callback.__name__}_each", f"`{callback.__name__}` on each tensor of the group in turn."
     return run
 
-multi_tensor_version_of(schedule_free_weights)(each_parameter(schedule_free_weights))
-
 @multi_tensor_version_of(rms_normalize_grad)
-@per_step_count
 def rms_normalize_grad_multi(group, sqr_mom, eps, step, **kwargs):
     "`rms_normalize_grad` on every tensor of the group at once."
     denominators = torch._foreach_sqrt(group.state_tensors('sqr_avg'))
@@ -468,30 +488,23 @@ def rms_normalize_grad_multi(group, sqr_mom, eps, step, **kwargs):
     torch._foreach_div_(group.grads, denominators)
 
 @multi_tensor_version_of(schedule_free_step)
-def schedule_free_step_multi(group, mom, **kwargs):
-    "`schedule_free_step` on every tensor of the group at once (one call per distinct learning rate and weight)."
-    indices = {}
-    for i, state in enumerate(group.states): indices.setdefault((state['scheduled_lr'], state['average_weight']), []).append(i)
-    for (lr, weight), idx in indices.items():
-        part = group.subset(idx)
-        zs = part.state_tensors('z', lambda p: p.detach().clone())
-        torch._foreach_lerp_(part.params, zs, weight)
-        torch._foreach_add_(part.params, part.grads, alpha=lr * (mom * (1 - weight) - 1))
-        torch._foreach_sub_(zs, part.grads, alpha=lr)
+def schedule_free_step_multi(group, mom, scheduled_lr, average_weight, **kwargs):
+    "`schedule_free_step` on every tensor of the group at once."
+    zs = group.state_tensors('z', lambda p: p.detach().clone())
+    torch._foreach_lerp_(group.params, zs, average_weight)
+    torch._foreach_add_(group.params, group.grads, alpha=scheduled_lr * (mom * (1 - average_weight) - 1))
+    torch._foreach_sub_(zs, group.grads, alpha=scheduled_lr)
 
 # %% ../nbs/07a_recent_optimizers.ipynb #c061
-def schedule_free_adamw_parameter(p, state, lr, mom, sqr_mom, eps, wd, warmup_steps, r, weight_lr_power, **kwargs):
-    "Schedule-Free AdamW's six callbacks on one parameter, with their arguments spelled out."
-    step = state['step'] = state.get('step', 0) + 1
-    state.update(schedule_free_weights(p, lr, step, warmup_steps, r, weight_lr_power, state.get('lr_max', -1.),
-                                       state.get('weight_sum', 0.)))
+def schedule_free_adamw_parameter(p, state, mom, sqr_mom, eps, wd, step, scheduled_lr, average_weight, **kwargs):
+    "Schedule-Free AdamW's four per-parameter callbacks on one parameter, with their arguments spelled out."
     state.update(average_sqr_grad(p, sqr_mom, sqr_avg=state.get('sqr_avg')))
     rms_normalize_grad(p, sqr_mom, step, eps, state['sqr_avg'])
     l2_reg(p, wd, state.get('do_wd', True))
-    state.update(schedule_free_step(p, mom, state['scheduled_lr'], state['average_weight'], state.get('z')))
+    state.update(schedule_free_step(p, mom, scheduled_lr, average_weight, state.get('z')))
 
-fused_per_parameter_on_cpu([step_stat, schedule_free_weights, average_sqr_grad, rms_normalize_grad, l2_reg,
-                            schedule_free_step], schedule_free_adamw_parameter)
+fused_per_parameter_on_cpu([average_sqr_grad, rms_normalize_grad, l2_reg, schedule_free_step],
+                           schedule_free_adamw_parameter)
 
 # %% ../nbs/07a_recent_optimizers.ipynb #c069
 @torch.no_grad()

@@ -21,10 +21,76 @@ from .core import (atomic_save, check_count, check_mode, check_save_folder, chec
 from .learner import (Callback, CancelFitException, Learner, check_state_matches, optimizer_with_state,
                                restore_training_state)
 from .random_state import loader_generators, rng_readers, rng_states, saveable_rng, set_rng_states
+from .schedule import ParamScheduler
 
 # %% auto #0
-__all__ = ['FORMAT', 'epoch_rows', 'checkpoint_state', 'read_checkpoint', 'check_checkpoint_fits', 'restore_checkpoint', 'Resume',
+__all__ = ['FORMAT', 'fit_schedules', 'schedule_record', 'resume_call', 'check_schedules_continue', 'epoch_rows',
+           'checkpoint_state', 'read_checkpoint', 'check_checkpoint_fits', 'restore_checkpoint', 'Resume',
            'replace_with_link', 'Checkpoint', 'TrackerCallback', 'SaveModel', 'EarlyStopping', 'ReduceLROnPlateau']
+
+# %% ../nbs/13_checkpoint.ipynb #c041
+def fit_schedules(learn, cbs=()):
+    "The `ParamScheduler`s among the learner's callbacks and `cbs`, in the order they run."
+    return [cb for cb in list(learn.cbs) + list(cbs) if isinstance(cb, ParamScheduler)]
+
+def schedule_record(scheduler, n_steps):
+    "What a checkpoint keeps of a `ParamScheduler`: the call that made it, and its values at a fit's `n_steps` batches."
+    return {'fit_call': scheduler.fit_call,
+            'values': {name: torch.tensor(v, dtype=torch.float64) for name, v in scheduler.preview(n_steps).items()}}
+
+def resume_call(n_epoch, path=None, fit_calls=()):
+    "`(call, condition)`: the call that continues a fit whose schedulers' `fit_call`s were `fit_calls`, and what it needs."
+    made_by = [call for call in fit_calls if call is not None]
+    own = len(made_by) < len(fit_calls)  # a ParamScheduler passed in cbs: no call makes it again
+    call = made_by[0] if made_by else f'fit({n_epoch})'
+    where = 'path' if path is None else repr(str(path))
+    return (f"{call[:-1]}{', cbs=[...]' if own else ''}, resume={where})",
+            ', with the same ParamScheduler in cbs' if own else '')
+
+def _two_values(a, b):
+    "`a` and `b` (numbers, or lists of them) to 4 significant digits, or in full where those look the same."
+    short = lambda v: '[' + ', '.join(map(short, v)) + ']' if isinstance(v, list) else f'{v:.4g}'
+    return (short(a), short(b)) if short(a) != short(b) else (repr(a), repr(b))
+
+def _describe(records):
+    calls = [f"`{r['fit_call']}`" if r['fit_call'] else f"a ParamScheduler of {sorted(r['values'])}" for r in records]
+    return ' and '.join(calls)
+
+def _schedule_difference(saved, here):
+    "Where the schedules of `here` (records) first differ from the `saved` ones, in words; None where they do not."
+    if len(saved) != len(here): return f"({len(here)} schedulers here, {len(saved)} in the checkpoint's fit)"
+    for old, new in zip(saved, here):
+        if sorted(old['values']) != sorted(new['values']):
+            return f"(it schedules {sorted(new['values'])}, the checkpoint's fit {sorted(old['values'])})"
+        for name, values in old['values'].items():
+            mine = new['values'][name]
+            if len(mine) != len(values):
+                return f"in its length: {len(mine)} training batches here, {len(values)} in the checkpoint's fit"
+            if mine.shape != values.shape: return f"in the parameter groups of {name!r} (one value for all, or one per group)"
+            if not torch.equal(mine, values):
+                step = int((mine != values).reshape(len(values), -1).any(dim=1).nonzero()[0])
+                there, here = _two_values(values[step].tolist(), mine[step].tolist())
+                return f"in {name!r} at training batch {step} ({there} in the checkpoint's fit, {here} here)"
+    return None
+
+def check_schedules_continue(learn, state, n_epoch, cbs=(), path=None):
+    "Raise `ValueError` unless `fit(n_epoch, cbs=cbs, resume=path)` continues the schedules of `state` exactly."
+    saved, here = state.get('schedules'), fit_schedules(learn, cbs)
+    if saved is None or not (saved or here): return
+    if here and not hasattr(learn.dls.train, '__len__'): return  # ParamScheduler.check_fit refuses that fit
+    call, condition = resume_call(state['progress']['n_epoch'], path, [r['fit_call'] for r in saved])
+    advice = f"resume with `{call}`{condition}"
+    if not here:
+        raise ValueError(f"the checkpoint's fit was scheduled by {_describe(saved)}, and this fit has no schedule: it "
+                         f"would train on at the optimizer's last values instead of continuing the schedule; {advice}")
+    records = [schedule_record(s, n_epoch * len(learn.dls.train)) for s in here]
+    if not saved:
+        raise ValueError(f"the checkpoint records no schedule (its fit had no ParamScheduler when it was written), but "
+                         f"this fit is scheduled by {_describe(records)}, which would start in its middle; {advice}")
+    difference = _schedule_difference(saved, records)
+    if difference is not None:
+        raise ValueError(f"this fit's schedule differs from the checkpoint's {difference}: the resumed fit would not "
+                         f"continue the schedule it stopped in; {advice}")
 
 # %% ../nbs/13_checkpoint.ipynb #c011
 FORMAT = 'teachloop-checkpoint'
@@ -87,6 +153,7 @@ def checkpoint_state(learn,
             'rng': saveable_rng(next(r for r in (rng, _rng_at_batch_start(learn), rng_states()) if r is not None)),
             'loaders': {name: [g.get_state() for g in loader_generators(getattr(learn.dls, name))]
                         for name in ('train', 'valid') if getattr(learn.dls, name) is not None},
+            'schedules': [schedule_record(s, learn.n_epoch * len(learn.dls.train)) for s in fit_schedules(learn)],
             'progress': _progress(learn, rows)}
 
 @patch
@@ -115,8 +182,8 @@ def _check_callbacks_present(state, cbs):
     if missing: raise ValueError(f"the checkpoint holds the state of callbacks {missing}, which this fit lacks; "
                                  "resume with the same callbacks as the interrupted fit")
 
-def check_checkpoint_fits(learn, state, n_epoch, cbs=()):
-    "Raise `ValueError` if `fit(n_epoch, cbs=cbs, resume=...)` cannot continue from `state` on `learn`."
+def check_checkpoint_fits(learn, state, n_epoch, cbs=(), path=None):
+    "Raise `ValueError` if `fit(n_epoch, cbs=cbs, resume=path)` cannot continue from `state` on `learn`."
     check_state_matches(learn.model, state['model'])
     optimizer_with_state(learn, state['opt'])  # a trial load: an optimizer of another kind fails here, not mid-fit
     _check_callbacks_present(state, learn.cbs + list(cbs))
@@ -141,6 +208,7 @@ def check_checkpoint_fits(learn, state, n_epoch, cbs=()):
         dl = getattr(learn.dls, name, None)
         if dl is None or len(loader_generators(dl)) != len(saved):
             raise ValueError(f"the {name} data loader does not match the checkpoint's (it had {len(saved)} generators)")
+    check_schedules_continue(learn, state, n_epoch, cbs, path)
     if progress['n_epoch'] != n_epoch:
         warnings.warn(f"the checkpoint's fit had n_epoch={progress['n_epoch']}, this one {n_epoch}: schedules that "
                       "depend on the fit's length will not continue as before")
@@ -160,6 +228,8 @@ def restore_checkpoint(learn, state):
         for generator, s in zip(loader_generators(getattr(learn.dls, name)), saved): generator.set_state(s)
     learn.train_iter, learn.pct_train = progress['train_iter'], progress['pct_train']
     learn.start_epoch, learn.skip_batches = progress['epochs_done'], progress['batches_done']
+    for scheduler, record in zip(fit_schedules(learn), state.get('schedules') or []):
+        scheduler.hps = {name: v[:progress['train_iter']].tolist() for name, v in record['values'].items()}
     set_rng_states(state['rng'])
 
 @patch
@@ -180,7 +250,7 @@ class Resume(Callback):
                  cbs=(),  # the callbacks added for this fit
                 ):
         self.state = read_checkpoint(path)
-        check_checkpoint_fits(learn, self.state, n_epoch, cbs)
+        check_checkpoint_fits(learn, self.state, n_epoch, cbs, path)
 
     def before_fit(self):
         restore_checkpoint(self.learn, self.state)
@@ -261,7 +331,8 @@ class Checkpoint(Callback):
         rng = self.batch_boundary[1] if at_boundary else None  # the learner has left its training phase by now
         if process_rank() != 0: return
         path = self.learn.save_checkpoint(self.folder / 'interrupted.pt', rng)
-        print(f"Checkpoint: the fit was interrupted; `fit({self.n_epoch}, resume={str(path)!r})` continues it")
+        call, condition = resume_call(self.n_epoch, path, [s.fit_call for s in fit_schedules(self.learn)])
+        print(f"Checkpoint: the fit was interrupted; `{call}` continues it{condition}")
 
     def after_epoch(self):
         done = self.epoch + 1

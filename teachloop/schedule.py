@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import inspect
 import math
 import numbers
 from collections import namedtuple
@@ -135,9 +136,12 @@ def check_scheds_fit(opt, scheds):
 class ParamScheduler(Callback):
     "Set optimizer hyper-parameters from their schedules before each training batch, recording them in `hps`."
     run_valid = False
-    def __init__(self, scheds):  # {hyper-parameter name: schedule of pct, or a list of them, one per parameter group}
+    def __init__(self,
+                 scheds,  # {hyper-parameter name: schedule of pct, or a list of them, one per parameter group}
+                 fit_call=None,  # the learner's fit method call that made `scheds`, e.g. 'fit_one_cycle(4, lr_max=0.01)'
+                ):
         _check_scheds(scheds)
-        self.scheds = dict(scheds)
+        self.scheds, self.fit_call = dict(scheds), fit_call
         self.hps = {name: [] for name in self.scheds}
 
     def check_fit(self):
@@ -206,8 +210,14 @@ def _opt_created(learn):
         if created: learn.opt = None
         raise
 
-def _fit_scheduled(learn, n_epoch, scheds, wd, cbs, resume):
-    return learn.fit(n_epoch, wd=wd, cbs=[ParamScheduler(scheds)] + callback_list(cbs), resume=resume)
+def _fit_call(method, *args, **kwargs):
+    "The text of the learner's call `method(*args, **kwargs)`, arguments at their defaults left out."
+    defaults = inspect.signature(getattr(Learner, method)).parameters
+    given = [f'{name}={value!r}' for name, value in kwargs.items() if value != defaults[name].default]
+    return f"{method}({', '.join([repr(a) for a in args] + given)})"
+
+def _fit_scheduled(learn, n_epoch, scheds, wd, cbs, resume, fit_call):
+    return learn.fit(n_epoch, wd=wd, cbs=[ParamScheduler(scheds, fit_call)] + callback_list(cbs), resume=resume)
 
 @patch
 def fit_one_cycle(self:Learner,
@@ -232,9 +242,10 @@ def fit_one_cycle(self:Learner,
         if moms is not None and not has_mom:
             raise ValueError(f"moms given, but no callback of the optimizer reads 'mom' (it reads "
                              f"{sorted(hypers_read(opt))}): momentum would not change; leave moms out")
-        scheds = one_cycle_scheds(_group_lrs(self, lr_max), div, div_final, pct_start,
-                                  (self.moms if moms is None else moms) if has_mom else None)
-    return _fit_scheduled(self, n_epoch, scheds, wd, cbs, resume)
+        lrs = _group_lrs(self, lr_max)
+        scheds = one_cycle_scheds(lrs, div, div_final, pct_start, (self.moms if moms is None else moms) if has_mom else None)
+    fit_call = _fit_call('fit_one_cycle', n_epoch, lr_max=lrs, div=div, div_final=div_final, pct_start=pct_start, moms=moms)
+    return _fit_scheduled(self, n_epoch, scheds, wd, cbs, resume, fit_call)
 
 # %% ../nbs/06_schedule.ipynb #c029
 @patch
@@ -253,7 +264,9 @@ def fit_flat_cos(self:Learner,
     def lr_sched(top): return combined_cos(pct_start, top, top, top / div_final)
     self._check_owner('fit_flat_cos')
     with _opt_created(self): lrs = _group_lrs(self, lr)
-    return _fit_scheduled(self, n_epoch, {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs, resume)
+    fit_call = _fit_call('fit_flat_cos', n_epoch, lr=lrs, div_final=div_final, pct_start=pct_start)
+    return _fit_scheduled(self, n_epoch, {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)},
+                          wd, cbs, resume, fit_call)
 
 def sgdr_epochs(n_cycles, cycle_len, cycle_mult=2):
     "The length in epochs of each of the `n_cycles` cycles of SGDR."
@@ -278,7 +291,9 @@ def fit_sgdr(self:Learner,
     def lr_sched(top): return combine_scheds([e / sum(epochs) for e in epochs], [partial(annealing_cos, top, 0.)] * len(epochs))
     self._check_owner('fit_sgdr')
     with _opt_created(self): lrs = _group_lrs(self, lr_max)
-    return _fit_scheduled(self, sum(epochs), {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)}, wd, cbs, resume)
+    fit_call = _fit_call('fit_sgdr', n_cycles, cycle_len, lr_max=lrs, cycle_mult=cycle_mult)
+    return _fit_scheduled(self, sum(epochs), {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)},
+                          wd, cbs, resume, fit_call)
 
 
 # %% ../nbs/06_schedule.ipynb #c038

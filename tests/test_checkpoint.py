@@ -1,5 +1,6 @@
 """Checkpoints: exact resume (weights bit for bit, same losses), refusals that change nothing, atomic files, trackers."""
 import math
+import re
 import os
 import signal
 
@@ -478,3 +479,99 @@ def test_a_fit_resumed_mid_epoch_on_the_gpu_continues_its_history(tmp_path):
     losses = resumed.recorder.losses
     assert len(losses) == len(straight.recorder.losses) and losses[:len(before)] == before
     assert len(resumed.recorder.values) == 2 and all(math.isfinite(v) for v in resumed.recorder.values[1][1:3])
+
+
+# ---- a scheduled fit: the call that continues it, and resumes that would not --------------------------------------
+
+SCHEDULED_FITS = {  # a scheduled fit of 4 epochs (SGDR: 1 + 2), and where a Ctrl-C interrupts it
+    'one_cycle': ("fit_one_cycle(4)", (2, 5)),
+    'one_cycle_tuned': ("fit_one_cycle(4, lr_max=1e-2, div=10., pct_start=0.4, moms=(0.9, 0.8, 0.9))", (1, 3)),
+    'one_cycle_slice': ("fit_one_cycle(4, lr_max=slice(1e-3, 1e-2))", (2, 5)),
+    'flat_cos': ("fit_flat_cos(4, lr=1e-2)", (3, 2)),
+    'sgdr': ("fit_sgdr(2, 1, lr_max=1e-2)", (1, 4)),
+}
+
+
+def three_group_splitter(model): return [list(m.parameters()) for m in (model[0], model[1], model[2:])]
+
+
+def scheduled_learner(setup):
+    "The digits CNN, batches of 128 (12 a fit's epoch), three parameter groups for a slice of learning rates."
+    return digits_learner(bs=128, **({'splitter': three_group_splitter} if setup == 'one_cycle_slice' else {}))
+
+
+def printed_call(capsys):
+    "The call the interrupted fit's message says continues it."
+    message = capsys.readouterr().out
+    found = re.search(r"`(\w+\(.*\))` continues it", message)
+    assert found, message
+    return found.group(1)
+
+
+@pytest.mark.parametrize('setup', SCHEDULED_FITS)
+def test_the_printed_call_continues_an_interrupted_scheduled_fit_bit_for_bit(tmp_path, capsys, setup):
+    call, at = SCHEDULED_FITS[setup]
+    straight = scheduled_learner(setup)
+    eval(f"learn.{call}", {'learn': straight})
+    stopped = scheduled_learner(setup)
+    with pytest.raises(KeyboardInterrupt):
+        eval(f"learn.{call[:-1]}, cbs=cbs)", {'learn': stopped, 'cbs': [Checkpoint(tmp_path), CtrlCAt(*at)]})
+    resume_call = printed_call(capsys)
+    assert resume_call.endswith(f"resume={str(tmp_path / 'interrupted.pt')!r})"), resume_call
+    resumed = scheduled_learner(setup)
+    eval(f"learn.{resume_call}", {'learn': resumed})
+    assert weights_equal(straight, resumed)
+    assert history(straight) == history(resumed)  # the losses, the epoch rows, and the lr (and mom) of every batch
+    assert straight.recorder.hps['lr'][0] != straight.recorder.hps['lr'][-1]
+
+
+def one_cycle_interrupted(tmp_path, capsys):
+    "A fit_one_cycle(4) interrupted in epoch 2 by a Ctrl-C: its checkpoint, and the call its message printed."
+    learn = scheduled_learner('one_cycle')
+    with pytest.raises(KeyboardInterrupt): learn.fit_one_cycle(4, cbs=[Checkpoint(tmp_path), CtrlCAt(2, 5)])
+    return tmp_path / 'interrupted.pt', printed_call(capsys)
+
+
+def test_a_resume_with_another_schedule_is_refused_before_the_fit_with_the_call_that_continues(tmp_path, capsys):
+    path, call = one_cycle_interrupted(tmp_path, capsys)
+    assert call == f"fit_one_cycle(4, lr_max=0.003, resume={str(path)!r})"
+    learn = scheduled_learner('one_cycle')
+    learn.fit(1)
+    before = snapshot(learn)
+    for resume in ("learn.fit(4, resume=path)",  # would train at a constant learning rate
+                   "learn.fit_one_cycle(4, lr_max=1e-2, resume=path)",
+                   "learn.fit_one_cycle(4, pct_start=0.3, resume=path)",
+                   "learn.fit_flat_cos(4, resume=path)",
+                   "learn.fit(4, cbs=[ParamScheduler(one_cycle_scheds(1e-2))], resume=path)"):
+        with pytest.raises(ValueError) as refused: eval(resume, {'learn': learn, 'path': path, **globals()})
+        assert f"`{call}`" in str(refused.value), (resume, str(refused.value))
+        assert_unchanged(learn, before)
+    with pytest.raises(ValueError, match='length'): learn.fit_one_cycle(5, resume=path)
+    assert_unchanged(learn, before)
+
+
+def test_a_schedule_is_refused_for_a_fit_that_had_none(tmp_path):
+    plain = scheduled_learner('one_cycle')
+    with pytest.raises(KeyboardInterrupt): plain.fit(4, cbs=[Checkpoint(tmp_path), CtrlCAt(2, 5)])
+    learn = scheduled_learner('one_cycle')
+    with pytest.raises(ValueError, match=r"no schedule.*`fit\(4, resume="): learn.fit_one_cycle(4, resume=tmp_path / 'interrupted.pt')
+    assert learn.train_iter == 0
+
+
+def test_a_fit_scheduled_by_a_param_scheduler_of_ones_own_needs_the_same_one(tmp_path, capsys):
+    def scheduler(lr=1e-2): return ParamScheduler(one_cycle_scheds(lr))
+    straight, straight_scheduler = scheduled_learner('one_cycle'), scheduler()
+    straight.fit(4, cbs=[straight_scheduler])
+    stopped = scheduled_learner('one_cycle')
+    with pytest.raises(KeyboardInterrupt): stopped.fit(4, cbs=[scheduler(), Checkpoint(tmp_path), CtrlCAt(2, 5)])
+    path = tmp_path / 'interrupted.pt'
+    message = capsys.readouterr().out
+    assert f"`fit(4, cbs=[...], resume={str(path)!r})` continues it, with the same ParamScheduler in cbs" in message
+    learn = scheduled_learner('one_cycle')
+    with pytest.raises(ValueError, match=r"ParamScheduler of \['lr', 'mom'\]"): learn.fit(4, resume=path)
+    with pytest.raises(ValueError, match=r"differs.*at training batch 0"): learn.fit(4, cbs=[scheduler(2e-2)], resume=path)
+    assert learn.train_iter == 0
+    resumed_scheduler = scheduler()
+    learn.fit(4, cbs=[resumed_scheduler], resume=path)
+    assert weights_equal(straight, learn) and history(straight) == history(learn)
+    assert resumed_scheduler.hps == straight_scheduler.hps  # what it set before the interruption too

@@ -54,9 +54,10 @@ class TrainingDashboard(SteeringCallback):
                  live:bool=None,  # draw during the fit; None: when running in a Jupyter kernel
                  controls:FitControls=None,  # shared requests, e.g. with another dashboard
                  buffer_size:int=1024,  # device slots for batch losses; a tick comes early when they are full
+                 keep_steered:bool=False,  # leave the sliders' values in the optimizer after the fit
                 ):
         if not refresh >= 0: raise ValueError(f"refresh must be a number of seconds >= 0, got {refresh!r}")
-        super().__init__(controls)
+        super().__init__(controls, keep_steered)
         if save_path is not None: save_path = check_save_path(save_path, 'dashboard.png', 'save_path')
         self.refresh, self.max_points, self.save_path, self.buffer_size = refresh, max_points, save_path, buffer_size
         self.live = _in_live_frontend() if live is None else live

@@ -80,10 +80,14 @@ class FitControls:
 class SteeringCallback(Callback):
     "Apply the requests of `controls` between batches: pause, stop, and held hyper-parameter values."
     order = 70
-    def __init__(self, controls:FitControls=None):
+    def __init__(self,
+                 controls:FitControls=None,  # the requests to apply; None: new ones
+                 keep_steered:bool=False,  # leave the requested values in the optimizer after the fit
+                ):
+        if not isinstance(keep_steered, bool): raise TypeError(f"keep_steered must be True or False, got {keep_steered!r}")
         self.controls = controls if controls is not None else FitControls()
-        self.changes, self.paused_seconds = [], 0.
-        self._held, self._version = {}, 0
+        self.keep_steered, self.changes, self.paused_seconds = keep_steered, [], 0.
+        self._held, self._version, self._found, self._applied = {}, 0, {}, {}
 
     def show(self):
         "Display the callback's widgets, if it has any (called in the thread that starts a background fit)."
@@ -91,7 +95,7 @@ class SteeringCallback(Callback):
     def before_fit(self):
         self.changes, self.paused_seconds = [], 0.
         self.controls.clear_requests()  # made between fits (or left by one that ended badly): not this fit's
-        self._held, self._version = {}, self.controls.version
+        self._held, self._version, self._found, self._applied = {}, self.controls.version, {}, {}
 
     def before_batch(self):
         controls = self.controls
@@ -99,9 +103,26 @@ class SteeringCallback(Callback):
         if controls.stop_requested: raise CancelFitException()
         if not self.learn.training: return
         if controls.version != self._version: self._take_requests()
-        for name, value in self._held.items(): self.learn.opt.set_hyper(name, value)
+        for name, value in self._held.items(): self._apply(name, value)
 
-    def cleanup_fit(self): self.controls.finish_fit()
+    def _apply(self, name, value):
+        "Set `name` to the held `value`, noting first what the optimizer would have without the steering."
+        opt = self.learn.opt
+        current = [group[name] for group in opt.hypers]
+        if current != self._applied.get(name): self._found[name] = current  # not steered yet, or a schedule set it since
+        opt.set_hyper(name, value)
+        self._applied[name] = [group[name] for group in opt.hypers]
+
+    @property
+    def steered(self):
+        "The hyper-parameter values requested in the current (or last) fit, e.g. to pass on: `fit(1, lr=steered['lr'])`."
+        return dict(self._held)
+
+    def cleanup_fit(self):
+        if not self.keep_steered:
+            for name, values in self._found.items(): self.learn.opt.set_hyper(name, values)
+        self._found, self._applied = {}, {}
+        self.controls.finish_fit()
 
     def _take_requests(self):
         hypers, self._version = self.controls.requested_hypers()

@@ -1,5 +1,6 @@
 "Tests of the dashboard and its parts: controls, device buffers, downsampling, steering from threads, background fits."
 import math
+from functools import partial
 import os
 import subprocess
 import sys
@@ -564,3 +565,53 @@ def test_the_sliders_show_the_values_in_effect_and_steer_only_while_they_can():
     assert not seen['enabled']  # a blocking fit: a moved slider would reach it only after it ended
     assert seen['shown'] == pytest.approx(3e-3) and set(learn.recorder.hps['lr']) == {3e-3}
     assert dashboard.changes == [] and dashboard.controls.requested_hypers()[0] == {}  # showing is not requesting
+
+
+class MoveSliderAt(Callback):
+    "The user moving a slider during a training batch (its request applies from the next one)."
+    def __init__(self, controls, at, **hypers): self.controls, self.at, self.hypers = controls, at, hypers
+    def after_batch(self):
+        if self.training and self.train_iter == self.at:
+            for name, value in self.hypers.items(): self.controls.set_hyper(name, value)
+
+
+def test_after_a_steered_fit_the_next_one_starts_from_the_values_the_sliders_found():
+    steering = SteeringCallback()
+    learn = digits_learner(steering, opt_func=partial(SGD, mom=0.9), lr=3e-3)
+    learn.fit(1, cbs=[MoveSliderAt(steering.controls, 5, lr=0.5, mom=0.5)])
+    assert set(learn.recorder.lrs[5:]) == {0.5} and set(learn.recorder.hps['mom'][5:]) == {0.5}  # steered in its fit
+    assert learn.opt.hypers[0]['lr'] == 3e-3 and learn.opt.hypers[0]['mom'] == 0.9  # as the fit found them
+    learn.fit(1)
+    assert set(learn.recorder.lrs) == {3e-3} and set(learn.recorder.hps['mom']) == {0.9}
+
+
+def test_after_a_steered_scheduled_fit_the_optimizer_holds_what_the_schedule_left():
+    import teachloop.schedule  # noqa: F401  (adds Learner.fit_one_cycle)
+    plain = digits_learner()
+    plain.fit_one_cycle(1, 1e-2)
+    dashboard = TrainingDashboard(refresh=1e9)
+    steered = digits_learner(dashboard)
+    fit_background(steered, 1, fit=steered.fit_one_cycle, lr_max=1e-2,
+                   cbs=[MoveSliderAt(dashboard.controls, 8, lr=2e-4)]).wait(timeout=60)
+    assert set(steered.recorder.lrs[8:]) == {2e-4}
+    assert steered.opt.hypers == plain.opt.hypers  # the schedule's last values, as without the slider
+
+
+def test_a_fit_that_fails_after_a_slider_moved_leaves_the_values_it_found():
+    class Fail(Callback):
+        def after_batch(self):
+            if self.training and self.train_iter == 9: raise RuntimeError('played failure')
+    steering = SteeringCallback()
+    learn = digits_learner(steering)
+    with pytest.raises(RuntimeError, match='played'): learn.fit(1, cbs=[MoveSliderAt(steering.controls, 3, lr=0.5), Fail()])
+    assert learn.recorder.lrs[-1] == 0.5 and learn.opt.hypers[0]['lr'] == 3e-3  # the fit's clean-up put it back
+
+
+def test_keep_steered_keeps_the_sliders_values_for_the_next_fit():
+    steering = SteeringCallback(keep_steered=True)
+    learn = digits_learner(steering)
+    learn.fit(1, cbs=[MoveSliderAt(steering.controls, 5, lr=0.5)])
+    assert learn.opt.hypers[0]['lr'] == 0.5 and steering.steered == {'lr': 0.5}
+    learn.fit(1)
+    assert set(learn.recorder.lrs) == {0.5}
+    with pytest.raises(TypeError, match='keep_steered'): SteeringCallback(keep_steered='yes')

@@ -20,12 +20,13 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 from fastcore.basics import patch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from .callbacks import Recorder, accuracy
-from .core import check_count, process_rank
+from .core import check_count, process_rank, several_processes
 from .data import DataLoaders, digits_cnn, load_digits_tensors, tensor_dls
 from .faults import TerminateOnNaN
 from .learner import Callback, Learner
@@ -37,7 +38,9 @@ from .schedule import LRFinder, fit_one_cycle  # the import adds `Learner.fit_on
 # %% auto #0
 __all__ = ['process_count', 'init_distributed', 'free_port', 'RankFailed', 'run_ranks', 'all_reduce_demo', 'ShardSampler',
            'check_shardable', 'shard_loader', 'shard_dls', 'sum_over_processes', 'any_process', 'check_world',
-           'DataParallel', 'digits_fit', 'PoisonBatch', 'nan_on_one_rank']
+           'DataParallel', 'RanksDisagree', 'digits_fit', 'digits_bn_cnn', 'DifferentiableSum', 'global_moments',
+           'GlobalBatchNorm', 'batch_norm_layers', 'check_batch_norms', 'synced_copy', 'swap_batch_norms',
+           'PoisonBatch', 'nan_on_one_rank']
 
 # %% ../nbs/15_distributed.ipynb #c005
 def process_count():
@@ -221,10 +224,12 @@ class DataParallel(Callback):
     order = 45  # after NaNCapture (20); before the Recorder (50), which reads the losses this callback sums
     def __init__(self,
                  agree_every=8,  # training steps between two exchanges of the losses and of a Ctrl-C
+                 sync_bn=False,  # BatchNorm layers normalise with the global batch's statistics (see below)
                 ):
         check_count('agree_every', agree_every)
         self.agree_every, self._ddp, self._quietened, self._joined, self.rank, self.world_size = agree_every, None, [], False, 0, 1
         self.distributed, self._ddp_clean, self._made_host_group = False, False, False
+        self.sync_bn, self._batch_norms, self._synced_kind = sync_bn, [], None
         self._agreed = (signal.SIGINT, None)  # the Ctrl-C that every rank knows of, delivered by the learner's gate
         self._reset_messages()
 
@@ -244,6 +249,7 @@ class DataParallel(Callback):
             raise ValueError(f"{', '.join(alone)} would stop the fit on this process's own batch loss, which the other "
                              "processes do not see: they would wait for it forever. Find the learning rate in one "
                              "process; stop on non-finite gradients with NaNCapture, which agrees with the others")
+        self._agree_on('fit')  # last: a fit that every rank refuses alike needs no word with the others
 
     def before_fit(self):
         self._join()
@@ -251,6 +257,7 @@ class DataParallel(Callback):
         if not self.distributed: return
         # one wrapper for all the fits of a `with` block (making one costs collectives), unless it may be in a bad state
         device = next(self.model.parameters()).device
+        if self.sync_bn: self._sync_batch_norms(device)
         if self._ddp is None or not self._ddp_clean or self._ddp.device_ids != _device_ids(device):
             self._ddp = DistributedDataParallel(self.model, device_ids=_device_ids(device))
             # a hook in Python costs a little on every step: in a world of 1 the message goes on its own (`_receive`)
@@ -259,7 +266,9 @@ class DataParallel(Callback):
         self.learn.interrupts.defer = self._defer_interrupt  # a Ctrl-C noted after this callback's `after_batch`
         self._set_hooks(any_process=partial(any_process, group=self._host_group))
 
-    def before_validate(self): self._join()  # `learn.validate()` in the block too, where no fit came first
+    def before_validate(self):
+        if not self._joined: self._agree_on('validate')  # `learn.validate()` or `get_preds` in the block, outside a fit
+        self._join()
 
     def before_train(self): self.learn.dls.train.sampler.set_epoch(self.learn.epoch)
 
@@ -298,6 +307,13 @@ class DataParallel(Callback):
         "Give back to the callbacks quietened in ranks other than 0 what they showed or saved (when the block ends)."
         for cb, attr, value in self._quietened: setattr(cb, attr, value)
         self._quietened = []
+
+    def restore_batch_norms(self):
+        "Put back the model's own BatchNorm layers (`sync_bn=True`, when the block ends), in the mode their copies were in."
+        for owner, name, layer in reversed(self._batch_norms):
+            layer.training = getattr(owner, name).training
+            setattr(owner, name, layer)
+        self._batch_norms, self._synced_kind = [], None
 
 def _device_ids(device): return [device.index] if device.type == 'cuda' else None
 
@@ -377,11 +393,40 @@ def _join(self:DataParallel):
     self.distributed = dist.is_available() and dist.is_initialized()  # a world of 1 with a group trains through DDP too
     if self.rank != 0: self._quieten()
     if not self.distributed: return
+    self._set_hooks(sum_over_processes=partial(sum_over_processes, group=self._host()))
+
+@patch
+def _host(self:DataParallel):
+    "The group for values read on the host (the Ctrl-C flag, the validation sums): gloo's, also when the gradients use nccl."
     if not self._made_host_group:  # once per block: making a group is a collective
-        # values read on the host (the Ctrl-C flag, the validation sums) go through gloo, also when the gradients use nccl
         self._host_group = None if dist.get_backend() == 'gloo' else dist.new_group(backend='gloo')
         self._made_host_group = True
-    self._set_hooks(sum_over_processes=partial(sum_over_processes, group=self._host_group))
+    return self._host_group
+
+class RanksDisagree(RuntimeError):
+    "The processes of a data-parallel run were about to do different things in `with learn.distributed()`."
+
+# What a rank may be about to do in the block, as the error tells it.
+_ACTIONS = {'fit': 'fits', 'validate': 'validates (learn.validate or learn.get_preds)', 'leave': 'leaves the block'}
+
+@patch
+def _agree_on(self:DataParallel, action):
+    "Tell the other ranks what this one is about to do (one small collective); raise `RanksDisagree` in each if they differ."
+    if not several_processes(): return
+    names = list(_ACTIONS)
+    mine = torch.tensor([names.index(action)])
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine, group=self._host())
+    actions = [names[int(code)] for code in everyone]
+    if len(set(actions)) > 1: raise RanksDisagree(_disagreement(actions))
+
+def _disagreement(actions):
+    "What each rank was about to do, and what to do instead."
+    ranks = {action: [r for r, a in enumerate(actions) if a == action] for action in dict.fromkeys(actions)}
+    said = '; '.join(f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))} {_ACTIONS[a]}" for a, rs in ranks.items())
+    return (f"the processes do different things in `with learn.distributed()`: {said}. Each step of a fit and each "
+            "validation meets the other ranks in collectives, so every rank must make the same calls in the block: "
+            "validate on every rank, or after the block (each rank then validates the whole set alone); fit on every rank")
 
 @patch
 def _set_hooks(self:DataParallel, **hooks):
@@ -409,17 +454,22 @@ def _quieten(self:DataParallel):
 @contextmanager
 def distributed(self:Learner,
                 seed=None,  # the seed of the training order; None: the training loader's generator's
+                sync_bn=False,  # BatchNorm layers normalise with the statistics of the global batch, as in one process
                ):
     "Within the block, fit as one of the processes of torch.distributed (alone: as a world of 1), each on its shard of the data."
     check_world()
     shards = shard_dls(self.dls, process_rank(), process_count(), seed)  # checks the loaders before anything changes
+    if sync_bn: check_batch_norms(self.model)
     own = self.dls
-    with self.added_cbs([DataParallel()]) as (callback,):
+    with self.added_cbs([DataParallel(sync_bn=sync_bn)]) as (callback,):
         self.dls = shards
-        try: yield callback
+        try:
+            yield callback
+            callback._agree_on('leave')  # a rank still validating or fitting hears of it, instead of waiting forever
         finally:
             self.dls = own
             callback.restore_shown()  # after the fits' last events: a dashboard saves its picture in `cleanup_fit`
+            callback.restore_batch_norms()
 
 # %% ../nbs/15_distributed.ipynb #c026
 def digits_fit(bs=32,  # items per batch in each process (the global batch is `bs` times the processes)
@@ -430,18 +480,107 @@ def digits_fit(bs=32,  # items per batch in each process (the global batch is `b
                dtype=torch.float32,  # the dtype of the model and the inputs
                cbs=(),  # callbacks for the fit
                seed=0,  # the seed of the weights and the order of the data
+               batch_norm=False,  # the CNN with a BatchNorm after each convolution (`digits_bn_cnn`)
+               sync_bn=False,  # `learn.distributed(sync_bn=...)`
               ):
     "Fit the digits CNN as this process's part of a data-parallel run (or alone); return its weights and history."
     x, y = load_digits_tensors()
     set_seed(seed)
-    learn = Learner(tensor_dls(x.to(dtype), y, bs=bs, seed=seed), digits_cnn().to(dtype),
+    model = digits_bn_cnn() if batch_norm else digits_cnn()
+    learn = Learner(tensor_dls(x.to(dtype), y, bs=bs, seed=seed), model.to(dtype),
                     torch.nn.functional.cross_entropy, opt_func=opt_func, lr=lr, metrics=[accuracy])
     learn.progress.show_bar = learn.progress.print_rows = False
-    with learn.distributed():
+    with learn.distributed(sync_bn=sync_bn):
         if one_cycle: learn.fit_one_cycle(n_epoch, lr, cbs=list(cbs))
         else: learn.fit(n_epoch, cbs=list(cbs))
     return {'rank': process_rank(), 'weights': {k: v.detach().cpu() for k, v in learn.model.state_dict().items()},
             'values': learn.recorder.values, 'losses': learn.recorder.losses}
+
+def digits_bn_cnn():
+    "The digits CNN with a BatchNorm after each convolution."
+    model = digits_cnn()
+    for block in model[:3]: block.insert(1, nn.BatchNorm2d(block[0].out_channels))
+    return model
+
+# %% ../nbs/15_distributed.ipynb #c030f
+class DifferentiableSum(torch.autograd.Function):
+    "A sum over the processes, in the graph: its backward sums the gradients over the processes too."
+    @staticmethod
+    def forward(ctx, tensor): return sum_over_processes(tensor)
+    @staticmethod
+    def backward(ctx, grad): return sum_over_processes(grad)
+
+def global_moments(x):
+    "Per-channel mean and biased variance of `x` (items, channels, ...) over every process's batch, and their count; differentiable."
+    dims, channels = [0, *range(2, x.dim())], x.shape[1]
+    count = x.new_tensor([x.numel() // channels])
+    sums = DifferentiableSum.apply(torch.cat([x.sum(dims), (x * x).sum(dims), count]))
+    total = sums[-1]
+    mean = sums[:channels] / total
+    return mean, (sums[channels:-1] / total - mean * mean).clamp_min(0), total
+
+class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
+    "BatchNorm that trains with the statistics of the global batch: sums over every process's shard (for CPUs)."
+    def _check_input_dim(self, x):
+        if x.dim() < 2: raise ValueError(f"expected a batch (items, channels, ...), got {x.dim()} dimensions")
+
+    def forward(self, x):
+        if not (self.training and dist.is_initialized()): return super().forward(x)  # evaluation: running statistics
+        self._check_input_dim(x)
+        mean, var, count = global_moments(x)
+        if self.track_running_stats: self._update_running_stats(mean.detach(), var.detach(), count)
+        shape = (1, -1) + (1,) * (x.dim() - 2)
+        y = (x - mean.view(shape)) * torch.rsqrt(var.view(shape) + self.eps)
+        return y * self.weight.view(shape) + self.bias.view(shape) if self.affine else y
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean, var, count):
+        self.num_batches_tracked.add_(1)
+        factor = 1 / self.num_batches_tracked.item() if self.momentum is None else self.momentum
+        self.running_mean.lerp_(mean, factor)
+        self.running_var.lerp_(var * count / (count - 1), factor)
+
+# %% ../nbs/15_distributed.ipynb #c030h
+def batch_norm_layers(model):
+    "The BatchNorm layers of `model`: torch's BatchNorm1d/2d/3d, SyncBatchNorm and their subclasses."
+    return [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+def check_batch_norms(model):
+    "Raise `ValueError` unless `model` has BatchNorm layers that `sync_bn=True` can put a synchronised copy in place of."
+    layers = batch_norm_layers(model)
+    if not layers:
+        raise ValueError("sync_bn=True, but the model has no BatchNorm layer (torch's BatchNorm1d/2d/3d or a subclass) "
+                         "to synchronise. Layers that normalise each item on its own (LayerNorm, GroupNorm) need no "
+                         "switch; a normalisation over the batch of your own must sum its statistics over the "
+                         "processes itself (as GlobalBatchNorm does)")
+    if any(isinstance(m, nn.modules.lazy.LazyModuleMixin) and m.has_uninitialized_params() for m in layers):
+        raise ValueError("sync_bn=True needs the size of the model's lazy BatchNorm layers: pass a batch through the model first")
+
+def synced_copy(layer, kind):
+    "A `kind` layer (GlobalBatchNorm, or torch's SyncBatchNorm) holding the very parameters and buffers of BatchNorm `layer`."
+    copy = kind(layer.num_features, layer.eps, layer.momentum, layer.affine, layer.track_running_stats)
+    # the same dictionaries, not copies of them: a buffer that `.to(device)` replaces is replaced for both
+    copy._parameters, copy._buffers, copy.training = layer._parameters, layer._buffers, layer.training
+    return copy
+
+def swap_batch_norms(learn, kind):
+    "Put a `kind` copy in place of each BatchNorm layer of `learn.model`; return (owner, name, layer) to put them back."
+    model, copies, swaps = learn.model, {}, []
+    places = [(learn, 'model', model)] + [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()]
+    for owner, name, layer in places:
+        if isinstance(layer, nn.modules.batchnorm._BatchNorm) and not isinstance(layer, kind):
+            if id(layer) not in copies: copies[id(layer)] = synced_copy(layer, kind)  # a layer used twice: one copy
+            setattr(owner, name, copies[id(layer)])
+            swaps.append((owner, name, layer))
+    return swaps
+
+@patch
+def _sync_batch_norms(self:DataParallel, device):
+    "For this fit, BatchNorm layers over the global batch: torch's SyncBatchNorm on GPUs, GlobalBatchNorm on CPUs."
+    kind = GlobalBatchNorm if device.type == 'cpu' else nn.SyncBatchNorm
+    if kind is self._synced_kind: return  # put in place for an earlier fit of the block
+    self.restore_batch_norms()
+    self._batch_norms, self._synced_kind = swap_batch_norms(self.learn, kind), kind
 
 # %% ../nbs/15_distributed.ipynb #c035b
 class PoisonBatch(Callback):

@@ -16,7 +16,8 @@ from teachloop.callbacks import accuracy
 from teachloop.checkpoint import Checkpoint, SaveModel
 from teachloop.core import process_rank
 from teachloop.data import DataLoaders, digits_cnn, load_digits_tensors, tensor_dls
-from teachloop.distributed import RankFailed, check_world, digits_fit, nan_on_one_rank, run_ranks, shard_dls
+from teachloop.distributed import (GlobalBatchNorm, RankFailed, batch_norm_layers, check_world, digits_bn_cnn, digits_fit,
+                                   nan_on_one_rank, run_ranks, shard_dls)
 from teachloop.effective_lr import EffectiveLRTracker
 from teachloop.faults import TerminateOnNaN
 from teachloop.learner import CancelBackwardException, CancelBatchException, Callback, Learner
@@ -25,6 +26,8 @@ from teachloop.optimizer import SGD, Adam
 from teachloop.random_state import set_seed
 
 FORK = dict(world_size=2, start_method='fork', timeout=120)
+# Besides run_ranks's own timeout (for the ranks): a net for the test process itself, fixtures included
+pytestmark = pytest.mark.timeout(300)
 SGD_MOM = partial(SGD, mom=0.9)
 
 
@@ -46,6 +49,7 @@ def fits():
     return ranks, alone
 
 
+@pytest.mark.numeric
 def test_two_ranks_equal_one_process_with_the_doubled_batch(fits):
     ranks, alone = fits
     for i, name in enumerate(('SGD with momentum', 'Adam with one-cycle')):
@@ -67,6 +71,7 @@ def test_both_ranks_record_the_same_effective_learning_rates(fits):
     assert len(histories[0]) > 2 and histories[0] == histories[1]
 
 
+@pytest.mark.numeric
 def test_reduced_validation_equals_one_process_with_an_uneven_last_shard(fits):
     ranks, alone = fits
     valid = tensor_dls(*load_digits_tensors()).valid.dataset
@@ -214,6 +219,7 @@ def own_and_recorded_losses(dtype, cancel):
     return own.seen, learn.recorder.losses
 
 
+@pytest.mark.numeric
 @pytest.mark.parametrize('dtype, cancel', [(torch.float32, CancelBatchException), (torch.float32, CancelBackwardException),
                                            (torch.bfloat16, None)])
 def test_recorded_losses_are_the_means_over_the_ranks(dtype, cancel):
@@ -423,3 +429,121 @@ def test_a_ctrl_c_in_the_launching_process_stops_every_rank_after_the_same_batch
     with pytest.raises(KeyboardInterrupt): run_ranks(long_fit, tmp_path, **FORK)
     state = torch.load(tmp_path / 'interrupted.pt', weights_only=True)
     assert state['progress']['resumable'] and 30 < state['progress']['train_iter'] < 50 * 23
+
+
+def evaluate_on_some_ranks(rank0, rank1):
+    "After a fit in the block, rank 0 does `rank0` and rank 1 does `rank1` ('validate', 'get_preds', 'fit' or nothing)."
+    learn = digits_learner_fp32()
+    calls = {'validate': learn.validate, 'get_preds': learn.get_preds, 'fit': lambda: learn.fit(1)}
+    start = time.monotonic()
+    try:
+        with learn.distributed():
+            learn.fit(1)
+            start, weights = time.monotonic(), [p.clone() for p in learn.model.parameters()]
+            action = rank0 if process_rank() == 0 else rank1
+            result = calls[action]() if action else None
+    except Exception as e:
+        untouched = all(torch.equal(a, b) for a, b in zip(weights, learn.model.parameters()))
+        return type(e).__name__, str(e), time.monotonic() - start, untouched
+    return 'done', result if action == 'validate' else None, time.monotonic() - start, None
+
+
+@pytest.mark.parametrize('rank0, rank1, said', [
+    ('validate', None, ['rank 0 validates (learn.validate or learn.get_preds)', 'rank 1 leaves the block']),
+    ('get_preds', None, ['rank 0 validates (learn.validate or learn.get_preds)', 'rank 1 leaves the block']),
+    ('validate', 'fit', ['rank 0 validates (learn.validate or learn.get_preds)', 'rank 1 fits']),
+    (None, 'fit', ['rank 0 leaves the block', 'rank 1 fits']),
+])
+def test_ranks_doing_different_things_in_the_block_all_stop_at_once_saying_what_each_did(rank0, rank1, said):
+    "Instead of the one left waiting failing on a closed connection once the other has gone (or both waiting forever)."
+    for kind, message, seconds, untouched in run_ranks(evaluate_on_some_ranks, rank0, rank1, **FORK):
+        assert kind == 'RanksDisagree' and all(part in message for part in said), message
+        assert 'validate on every rank, or after the block' in message and seconds < 30
+        assert untouched is not False  # a fit that would have gone on alone is refused before it changes anything
+
+
+def test_validating_on_every_rank_in_the_block_still_works():
+    (kind0, values0, _, _), (kind1, values1, _, _) = run_ranks(evaluate_on_some_ranks, 'validate', 'validate', **FORK)
+    assert kind0 == kind1 == 'done' and values0 == values1 and len(values0) == 2
+
+
+class BreakAt(Callback):
+    "Raise in every rank at training step `at`."
+    def __init__(self, at): self.at = at
+    def after_loss(self):
+        if self.learn.training and self.learn.train_iter == self.at: raise ValueError(f"broke at step {self.at}")
+
+
+def batch_norm_fits(bs, sync_bn):
+    "Two fits of the BatchNorm CNN in float64 in one block, the optimizer made before it; its layers in and after the block."
+    set_seed(0)
+    x, y = load_digits_tensors()
+    learn = Learner(tensor_dls(x.double(), y, bs=bs), digits_bn_cnn().double(), torch.nn.functional.cross_entropy,
+                    opt_func=SGD_MOM, lr=0.1)
+    learn.progress.show_bar = learn.progress.print_rows = False
+    learn.create_opt()
+    own = batch_norm_layers(learn.model)
+    with learn.distributed(sync_bn=sync_bn):
+        learn.fit(1)
+        inside = [type(m).__name__ for m in batch_norm_layers(learn.model)]
+        learn.fit(1)
+    restored = all(a is b for a, b in zip(batch_norm_layers(learn.model), own))
+    weights = {k: v.clone() for k, v in learn.model.state_dict().items()}
+    try:  # a block left by an error gives the layers back too
+        with learn.distributed(sync_bn=sync_bn): learn.fit(1, cbs=[BreakAt(3)])
+    except ValueError: restored_after_error = all(a is b for a, b in zip(batch_norm_layers(learn.model), own))
+    return weights, inside, restored, restored_after_error
+
+
+@pytest.mark.numeric
+def test_sync_bn_on_two_ranks_equals_one_process_with_the_doubled_batch():
+    "Weights and running statistics; without the switch each rank normalises its own shard, another fit."
+    alone, *_ = batch_norm_fits(64, False)
+    for sync_bn in (True, False):
+        for weights, inside, restored, restored_after_error in run_ranks(batch_norm_fits, 32, sync_bn, **FORK):
+            assert restored and restored_after_error and len(inside) == 3
+            assert inside == (['GlobalBatchNorm'] * 3 if sync_bn else ['BatchNorm2d'] * 3)
+            gap = max((weights[k] - w).abs().max().item() for k, w in alone.items())
+            # float64 and the sums of the shards added in another order than one batch's: 1e-10 leaves a factor of 1e5
+            if sync_bn: assert gap < 1e-10
+            else: assert gap > 1e-3  # 0.2 here: statistics of 32 items in each rank instead of the 64 of one batch
+
+
+def test_sync_bn_on_a_model_without_batch_norm_is_refused_before_anything_changes():
+    learn = digits_learner_fp32()
+    dls, cbs = learn.dls, list(learn.cbs)
+    with pytest.raises(ValueError, match=r'sync_bn=True, but the model has no BatchNorm layer'):
+        with learn.distributed(sync_bn=True): learn.fit(1)
+    assert learn.dls is dls and learn.cbs == cbs and learn.opt is None
+
+
+def global_batch_norm_on_half(x, weight, upstream):
+    "A GlobalBatchNorm (cumulative running statistics) on this rank's half of `x`, and the gradients of `(out * upstream).sum()`."
+    layer = GlobalBatchNorm(x.shape[1], momentum=None).double()
+    with torch.no_grad(): layer.weight.copy_(weight)
+    half = x.chunk(2)[dist.get_rank()].clone().requires_grad_()
+    out = layer(half)
+    (out * upstream.chunk(2)[dist.get_rank()]).sum().backward()
+    return out.detach(), half.grad, layer.weight.grad, layer.bias.grad, layer.running_mean, layer.running_var
+
+
+@pytest.mark.numeric
+def test_global_batch_norm_on_two_halves_is_batch_norm_on_the_whole_batch():
+    "Outputs, input gradients and running statistics; the ranks' weight gradients add up to the whole batch's."
+    generator = torch.Generator().manual_seed(0)
+    x, upstream = (torch.randn(8, 3, 5, dtype=torch.float64, generator=generator) * 2 + 1 for _ in range(2))
+    weight = torch.rand(3, dtype=torch.float64, generator=generator) + 0.5
+    halves = run_ranks(global_batch_norm_on_half, x, weight, upstream, **FORK)
+    reference = torch.nn.BatchNorm1d(3, momentum=None).double()
+    with torch.no_grad(): reference.weight.copy_(weight)
+    whole = x.clone().requires_grad_()
+    out = reference(whole)
+    (out * upstream).sum().backward()
+    ours = [torch.cat([h[i] for h in halves]) for i in (0, 1)] + [sum(h[i] for h in halves) for i in (2, 3)]
+    theirs = [out.detach(), whole.grad, reference.weight.grad, reference.bias.grad]
+    for i in (4, 5): assert torch.equal(halves[0][i], halves[1][i])
+    ours += [halves[0][4], halves[0][5]]
+    theirs += [reference.running_mean, reference.running_var]
+    for name, a, b in zip(('output', 'input grad', 'weight grad', 'bias grad', 'running mean', 'running var'), ours, theirs):
+        # float64 on values of order 1-10: the sums of squares lose a few digits to the mean's square, nowhere near 1e-12
+        assert (a - b).abs().max() < 1e-12, name

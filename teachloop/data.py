@@ -51,18 +51,23 @@ def split_by_seed(n, valid_pct=0.2, seed=42):
     n_valid = int(round(n * valid_pct))
     return perm[n_valid:], perm[:n_valid]
 
-def tensor_dls(x, y, bs=64, valid_pct=0.2, seed=42, **kwargs):
-    "`DataLoaders` over tensors `x`, `y`, split by `seed`; training batches shuffled by a generator seeded the same."
+def tensor_dls(x, y, bs=64, valid_pct=0.2, seed=42,
+               shuffle_seed=None,  # the seed of the training batches' order; None: `seed`
+               **kwargs):
+    "`DataLoaders` over tensors `x`, `y`, split by `seed`; training batches shuffled by a generator of their own."
     if len(x) != len(y): raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
     train_idx, valid_idx = split_by_seed(len(x), valid_pct, seed)
+    shuffle_seed = seed if shuffle_seed is None else shuffle_seed
     train = DataLoader(TensorDataset(x[train_idx], y[train_idx]), batch_size=bs, shuffle=True,
-                       generator=torch.Generator().manual_seed(seed), **kwargs)
+                       generator=torch.Generator().manual_seed(shuffle_seed), **kwargs)
     valid = DataLoader(TensorDataset(x[valid_idx], y[valid_idx]), batch_size=bs * 2, **kwargs)
     return DataLoaders(train, valid)
 
-def digits_dls(bs=64, valid_pct=0.2, seed=42, **kwargs):
-    "Handwritten digits (scikit-learn's offline copy) as `DataLoaders`, split and shuffled by `seed`."
-    return tensor_dls(*load_digits_tensors(), bs=bs, valid_pct=valid_pct, seed=seed, **kwargs)
+def digits_dls(bs=64, valid_pct=0.2, seed=42,
+               shuffle_seed=None,  # the seed of the training batches' order; None: `seed`
+               **kwargs):
+    "Handwritten digits (scikit-learn's offline copy) as `DataLoaders`, split by `seed`, shuffled by `shuffle_seed`."
+    return tensor_dls(*load_digits_tensors(), bs=bs, valid_pct=valid_pct, seed=seed, shuffle_seed=shuffle_seed, **kwargs)
 
 # %% ../nbs/00_data.ipynb #c013
 def mnist_dls(path='data', bs=128, fashion=False, download=True, **kwargs):

@@ -38,6 +38,13 @@ def schedule_record(scheduler, n_steps):
     return {'fit_call': scheduler.fit_call,
             'values': {name: torch.tensor(v, dtype=torch.float64) for name, v in scheduler.preview(n_steps).items()}}
 
+def _schedule_records(learn):
+    "The records of the schedules of `learn`'s fit over its length; None before any fit (there is no length yet)."
+    schedulers = fit_schedules(learn)
+    if not schedulers: return []
+    if learn.n_epoch == 0: return None
+    return [schedule_record(s, learn.n_epoch * len(learn.dls.train)) for s in schedulers]
+
 def resume_call(n_epoch, path=None, fit_calls=()):
     "`(call, condition)`: the call that continues a fit whose schedulers' `fit_call`s were `fit_calls`, and what it needs."
     made_by = [call for call in fit_calls if call is not None]
@@ -69,8 +76,8 @@ def _schedule_difference(saved, here):
             if mine.shape != values.shape: return f"in the parameter groups of {name!r} (one value for all, or one per group)"
             if not torch.equal(mine, values):
                 step = int((mine != values).reshape(len(values), -1).any(dim=1).nonzero()[0])
-                there, here = _two_values(values[step].tolist(), mine[step].tolist())
-                return f"in {name!r} at training batch {step} ({there} in the checkpoint's fit, {here} here)"
+                saved_value, new_value = _two_values(values[step].tolist(), mine[step].tolist())
+                return f"in {name!r} at training batch {step} ({saved_value} in the checkpoint's fit, {new_value} here)"
     return None
 
 def check_schedules_continue(learn, state, n_epoch, cbs=(), path=None):
@@ -153,7 +160,7 @@ def checkpoint_state(learn,
             'rng': saveable_rng(next(r for r in (rng, _rng_at_batch_start(learn), rng_states()) if r is not None)),
             'loaders': {name: [g.get_state() for g in loader_generators(getattr(learn.dls, name))]
                         for name in ('train', 'valid') if getattr(learn.dls, name) is not None},
-            'schedules': [schedule_record(s, learn.n_epoch * len(learn.dls.train)) for s in fit_schedules(learn)],
+            'schedules': _schedule_records(learn),
             'progress': _progress(learn, rows)}
 
 @patch
@@ -210,7 +217,7 @@ def check_checkpoint_fits(learn, state, n_epoch, cbs=(), path=None):
             raise ValueError(f"the {name} data loader does not match the checkpoint's (it had {len(saved)} generators)")
     check_schedules_continue(learn, state, n_epoch, cbs, path)
     if progress['n_epoch'] != n_epoch:
-        warnings.warn(f"the checkpoint's fit had n_epoch={progress['n_epoch']}, this one {n_epoch}: schedules that "
+        warnings.warn(f"the checkpoint's fit had n_epoch={progress['n_epoch']}, this one {n_epoch}: callbacks that "
                       "depend on the fit's length will not continue as before")
 
 # %% ../nbs/13_checkpoint.ipynb #c015

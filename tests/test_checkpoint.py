@@ -575,3 +575,9 @@ def test_a_fit_scheduled_by_a_param_scheduler_of_ones_own_needs_the_same_one(tmp
     learn.fit(4, cbs=[resumed_scheduler], resume=path)
     assert weights_equal(straight, learn) and history(straight) == history(learn)
     assert resumed_scheduler.hps == straight_scheduler.hps  # what it set before the interruption too
+
+
+def test_a_learner_with_a_scheduler_of_its_own_can_be_saved_before_any_fit(tmp_path):
+    learn = digits_learner(ParamScheduler(one_cycle_scheds(1e-2)))
+    learn.save_checkpoint(tmp_path / 'fresh.pt')  # no fit yet, so no length to evaluate the schedule over
+    assert read_checkpoint(tmp_path / 'fresh.pt')['schedules'] is None

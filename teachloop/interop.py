@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from .optimizer import _as_param_groups, check_hyper, check_state_dict_fits, param_shapes, spread_hyper
+from .optimizer import _as_param_groups, check_hyper, check_state_dict_fits, declare_optimizer, param_shapes, spread_hyper
 
 # %% auto #0
 __all__ = ['NORM_LAYERS', 'torch_location', 'read_hyper', 'write_hyper', 'OptimWrapper', 'split_at', 'norm_params',
@@ -142,3 +142,13 @@ def freeze(target):
 def unfreeze(target):
     "Train every parameter group."
     freeze_to(target, 0)
+
+# %% ../nbs/09_interop.ipynb #r02
+def _wrapped_torch(params, opt, **kwargs): return OptimWrapper(params, opt, **kwargs)
+def _torch_itself(params, opt, **kwargs): return opt(params, **kwargs)
+
+declare_optimizer(OptimWrapper, [dict(opt=torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+                                 dict(opt=torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True),
+                                 dict(opt=torch.optim.RMSprop, lr=1e-2, momentum=0.5),
+                                 dict(opt=torch.optim.Adafactor, lr=1e-2)],
+                  make=_wrapped_torch, reference=_torch_itself)

@@ -5,6 +5,7 @@
 # %% ../nbs/01_optimizer.ipynb #c002
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 from contextlib import contextmanager
@@ -15,11 +16,11 @@ import torch
 
 # %% auto #0
 __all__ = ['AT_LEAST_0', 'ABOVE_0', 'IN_0_1', 'MISSING', 'OPTIMIZER_CALLBACKS', 'FAST_STEP_PLANNERS', 'PER_PARAMETER_SETTINGS',
-           'sgd_step', 'weight_decay', 'l2_reg', 'average_grad', 'momentum_step', 'average_sqr_grad', 'rms_prop_step',
-           'step_stat', 'debias', 'adam_step', 'CallbackFacts', 'callback_function', 'declare_callback',
-           'callback_facts', 'check_hyper', 'spread_hyper', 'param_shapes', 'check_state_dict_fits',
-           'add_fast_step_planner', 'find_fast_step', 'torch_momentum_name', 'HyperGroup', 'Optimizer',
-           'gradients_kept', 'SGD', 'RMSProp', 'Adam', 'run_steps']
+           'OPTIMIZERS', 'sgd_step', 'weight_decay', 'l2_reg', 'average_grad', 'momentum_step', 'average_sqr_grad',
+           'rms_prop_step', 'step_stat', 'debias', 'adam_step', 'CallbackFacts', 'callback_function',
+           'declare_callback', 'callback_facts', 'check_hyper', 'spread_hyper', 'param_shapes', 'check_state_dict_fits',
+           'add_fast_step_planner', 'find_fast_step', 'names_read', 'torch_momentum_name', 'HyperGroup', 'Optimizer',
+           'gradients_kept', 'SGD', 'RMSProp', 'Adam', 'run_steps', 'OptimizerInfo', 'declare_optimizer']
 
 # %% ../nbs/01_optimizer.ipynb #c018
 def sgd_step(p, lr, **kwargs):
@@ -232,9 +233,14 @@ def find_fast_step(cbs):
 # %% ../nbs/01_optimizer.ipynb #a02
 PER_PARAMETER_SETTINGS = ('do_wd',)  # state entries that are settings, kept by `clear_state`
 
-def torch_momentum_name(hypers):
-    "torch's name for `mom` in an optimizer with these hyper-parameters: 'betas', 'momentum' or None."
-    if 'mom' not in hypers: return None
+def names_read(cbs):
+    "The names the optimizer callbacks `cbs` take as arguments: the hyper-parameters and state they read."
+    return {name for cb in cbs for name, param in inspect.signature(callback_function(cb)).parameters.items()
+            if param.kind is not param.VAR_KEYWORD}
+
+def torch_momentum_name(hypers, read=None):
+    "torch's name for `mom` in an optimizer with these hyper-parameters and callbacks reading `read`: 'betas', 'momentum' or None."
+    if 'mom' not in hypers or (read is not None and 'mom' not in read): return None  # a momentum nothing reads
     return 'betas' if 'sqr_mom' in hypers else 'momentum'
 
 _SET_THROUGH = {'betas': ('mom', 'sqr_mom'), 'momentum': ('mom',)}  # our names that a write of torch's name changes
@@ -335,7 +341,7 @@ class Optimizer(torch.optim.Optimizer):
             for name, value in group.items():
                 if name != 'params': check_hyper(name, value)
         super().__init__([HyperGroup(group) for group in groups], merged)
-        self.torch_alias = torch_momentum_name(merged)
+        self.torch_alias = torch_momentum_name(merged, names_read(self.cbs))
         self.param_groups[:] = [self._hyper_group(group) for group in self.param_groups]
         if self.torch_alias: self.defaults[self.torch_alias] = self.param_groups[0][self.torch_alias]
 
@@ -485,3 +491,54 @@ def run_steps(model, opt, batches, loss_func=torch.nn.functional.mse_loss):
         loss.backward(); opt.step(); opt.zero_grad()
         losses.append(loss.detach())
     return torch.stack(losses)
+
+# %% ../nbs/01_optimizer.ipynb #r02
+@dataclass
+class OptimizerInfo:
+    "What the checks every optimizer passes need to know of one: how to make it, its settings, its reference."
+    make: object  # `make(params, **setting)`: the optimizer on `params` (tensors or group dicts)
+    settings: list  # hyper-parameter settings to check it with (keyword arguments of `make`)
+    param_dims: tuple = (0, 1, 2, 3, 4)  # the numbers of dimensions of the parameters it takes (Muon: 2 only)
+    reference: object = None  # `f(params, **setting)`: an independent implementation (or a list of them), None if none
+    reference_tolerance: object = 1e-10  # largest difference from the reference (float64: roundings), or a function
+    fast_tolerance: object = 1e-10  # the same for its fast step against its callbacks; a function is `f(n_steps, setting, shapes)`
+    step_count: str = 'parameter'  # whose steps the debiasing counts: each 'parameter''s, or its 'group''s
+    reference_schedules: tuple = ('lr', 'mom')  # the hyper-parameters whose changes during training it takes as the reference does
+    differences: str = ''  # how it differs from the reference by convention, as said where it is taught
+    rounding_sensitive: str = ''  # why a difference in the last bit of a gradient can change its result by more
+
+OPTIMIZERS = {}  # name -> OptimizerInfo, for every optimizer the library exports
+
+def declare_optimizer(optimizer,  # the exported optimizer (a function or class)
+                      settings,  # hyper-parameter settings to check it with
+                      make=None,  # how to make it, if not `optimizer(params, **setting)`
+                      **info,  # the other fields of `OptimizerInfo`
+                     ):
+    "Describe `optimizer` for the checks every optimizer passes (`OPTIMIZERS`); return it."
+    if info.get('step_count', 'parameter') not in ('parameter', 'group'):
+        raise ValueError(f"step_count must be 'parameter' or 'group', got {info['step_count']!r}")
+    OPTIMIZERS[optimizer.__name__] = OptimizerInfo(make or optimizer, list(settings), **info)
+    return optimizer
+
+# %% ../nbs/01_optimizer.ipynb #r04
+def _torch_sgd(params, lr, mom=0., wd=0., decouple_wd=True):
+    if decouple_wd and wd and mom:
+        from timm.optim import SGDW  # a test-only dependency: decoupled decay, then momentum, as SGD here
+        return SGDW(params, lr=lr, momentum=mom, weight_decay=wd)
+    return torch.optim.SGD(params, lr=lr, momentum=mom, weight_decay=wd)
+
+def _torch_rmsprop(params, lr, sqr_mom=0.99, mom=0., eps=1e-8, wd=0., decouple_wd=True):
+    if mom or (wd and decouple_wd): return None
+    return torch.optim.RMSprop(params, lr=lr, alpha=sqr_mom, eps=eps, weight_decay=wd)
+
+def _torch_adam(params, lr, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01, decouple_wd=True):
+    return (torch.optim.AdamW if decouple_wd else torch.optim.Adam)(params, lr=lr, betas=(mom, sqr_mom), eps=eps,
+                                                                      weight_decay=wd)
+
+declare_optimizer(SGD, [dict(lr=0.05), dict(lr=0.05, mom=0.9, wd=0.01), dict(lr=0.05, mom=0.9, wd=0.01, decouple_wd=False)],
+                  reference=_torch_sgd)
+declare_optimizer(RMSProp, [dict(lr=1e-2), dict(lr=1e-2, wd=0.01, decouple_wd=False), dict(lr=1e-3, mom=0.9, wd=0.01)],
+                  reference=_torch_rmsprop, differences="with mom > 0 the gradient is averaged, then divided (torch "
+                  "averages the divided gradients); decoupled weight decay (torch's RMSprop has L2 only)")
+declare_optimizer(Adam, [dict(lr=1e-2), dict(lr=1e-2, mom=0.8, sqr_mom=0.9, eps=1e-8, wd=0.1),
+                         dict(lr=1e-2, wd=0.1, decouple_wd=False)], reference=_torch_adam)

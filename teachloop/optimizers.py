@@ -10,8 +10,8 @@ from functools import partial
 
 import torch
 
-from .optimizer import (ABOVE_0, AT_LEAST_0, IN_0_1, Optimizer, average_grad, average_sqr_grad, debias,
-                                 declare_callback, l2_reg, momentum_step, step_stat, weight_decay)
+from .optimizer import (ABOVE_0, AT_LEAST_0, IN_0_1, SGD, Adam, Optimizer, average_grad, average_sqr_grad, debias,
+                                 declare_callback, declare_optimizer, l2_reg, momentum_step, step_stat, weight_decay)
 
 # %% auto #0
 __all__ = ['IN_0_1_CLOSED', 'WHOLE_AT_LEAST_1', 'ABOVE_0_TO_1', 'nesterov_step', 'Nesterov', 'qhadam_step', 'QHAdam',
@@ -162,3 +162,67 @@ def Lookahead(opt, k=5, alpha=0.5):
                         **{**opt.defaults, 'k': k, 'alpha': alpha})
     for p, state in opt.state.items(): wrapped.state[p] = dict(state)
     return wrapped
+
+# %% ../nbs/07_optimizers.ipynb #r02
+def _torch_nesterov(params, lr, mom=0.9, wd=0., decouple_wd=True):
+    if decouple_wd and wd:
+        from timm.optim import SGDW  # test-only dependencies, imported when a check asks for them
+        return SGDW(params, lr=lr, momentum=mom, weight_decay=wd, nesterov=True)
+    return torch.optim.SGD(params, lr=lr, momentum=mom, weight_decay=wd, nesterov=True)
+
+def _qhadam_reference(params, lr=1e-3, mom=0.995, sqr_mom=0.999, nu1=0.7, nu2=1.0, eps=1e-8, wd=0., decouple_wd=True):
+    import pytorch_optimizer
+    return pytorch_optimizer.QHAdam(params, lr=lr, betas=(mom, sqr_mom), nus=(nu1, nu2), eps=eps, weight_decay=wd,
+                                    weight_decouple=decouple_wd)
+
+def _torch_radam(params, lr=1e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., decouple_wd=True):
+    return torch.optim.RAdam(params, lr=lr, betas=(mom, sqr_mom), eps=eps, weight_decay=wd,
+                             decoupled_weight_decay=decouple_wd)
+
+def _timm_lamb(params, lr=1e-3, mom=0.9, sqr_mom=0.999, eps=1e-6, wd=0.01):
+    from timm.optim import Lamb
+    return Lamb(params, lr=lr, betas=(mom, sqr_mom), eps=eps, weight_decay=wd, max_grad_norm=None, always_adapt=True)
+
+def _timm_lars(params, lr, mom=0.9, wd=0., trust_coeff=1e-3, eps=1e-8, clip=False):
+    from timm.optim import Lars
+    return Lars(params, lr=lr, momentum=mom, weight_decay=wd, trust_coeff=trust_coeff, eps=eps, trust_clip=clip,
+                always_adapt=True)
+
+def _lion_reference(params, lr=1e-4, mom=0.9, avg_mom=0.99, wd=0.):
+    import pytorch_optimizer
+    return pytorch_optimizer.Lion(params, lr=lr, betas=(mom, avg_mom), weight_decay=wd)
+
+_LOOKAHEAD_INNER = {'adam': (Adam, lambda params, lr: torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.99), eps=1e-5,
+                                                                         weight_decay=0.01)),
+                    'sgd': (partial(SGD, mom=0.9), lambda params, lr: torch.optim.SGD(params, lr=lr, momentum=0.9))}
+
+def _lookahead(params, inner, lr, k=5, alpha=0.5, fast=None):
+    return Lookahead(_LOOKAHEAD_INNER[inner][0](params, lr=lr, fast=fast), k, alpha)
+
+def _lookahead_reference(params, inner, lr, k=5, alpha=0.5):
+    import pytorch_optimizer
+    return pytorch_optimizer.Lookahead(_LOOKAHEAD_INNER[inner][1](params, lr), k=k, alpha=alpha)
+
+# float32 sums of weights in the reference: each rounded by 2**-24 relatively per step, so after n steps its averages,
+# and the steps, are off by up to about n * 2**-24 relatively; summed over n steps of size lr (times the step's size
+# in units of lr, a few for these normalised steps): n**2 * lr * 2**-22 bounds the difference
+_float32_weights = lambda n_steps, setting, shapes: n_steps ** 2 * setting['lr'] * 2 ** -22
+
+declare_optimizer(Nesterov, [dict(lr=0.05), dict(lr=0.05, mom=0.8, wd=0.01), dict(lr=0.05, wd=0.01, decouple_wd=False)],
+                  reference=_torch_nesterov)
+declare_optimizer(QHAdam, [dict(lr=1e-2), dict(lr=1e-2, mom=0.9, nu1=0.5, nu2=0.8, wd=0.1),
+                           dict(lr=1e-2, wd=0.1, decouple_wd=False)],
+                  reference=_qhadam_reference, reference_tolerance=_float32_weights, reference_schedules=('lr',),
+                  differences="the reference keeps the sums of weights that debias its averages in float32, and they "
+                  "follow a momentum that changes; here the debiasing takes the current momentum, as torch's Adam does")
+declare_optimizer(RAdam, [dict(lr=1e-2), dict(lr=1e-2, sqr_mom=0.9, wd=0.1), dict(lr=1e-2, wd=0.1, decouple_wd=False)],
+                  reference=_torch_radam)
+declare_optimizer(Lamb, [dict(lr=1e-2), dict(lr=1e-2, mom=0.8, wd=0.)], reference=_timm_lamb)
+declare_optimizer(LARS, [dict(lr=0.1), dict(lr=0.1, mom=0.5, wd=0.01, trust_coeff=0.02)], reference=_timm_lars)
+declare_optimizer(LARC, [dict(lr=0.1, wd=0.01), dict(lr=0.5, trust_coeff=0.02)],
+                  reference=lambda params, **setting: _timm_lars(params, clip=True, **setting))
+declare_optimizer(Lion, [dict(lr=1e-3), dict(lr=1e-3, mom=0.8, avg_mom=0.95, wd=0.1)], reference=_lion_reference)
+declare_optimizer(Lookahead, [dict(inner='adam', lr=1e-2), dict(inner='sgd', lr=0.05, k=3, alpha=0.8)],
+                  make=_lookahead, reference=_lookahead_reference,
+                  differences="the reference counts its k steps per group and pulls back all of the group's "
+                  "parameters; here each parameter counts its own steps")

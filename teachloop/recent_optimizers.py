@@ -14,7 +14,8 @@ from torch import nn
 
 from .fast import callback_key, fused_patterns, multi_tensor_version_of, per_step_count
 from .optimizer import (ABOVE_0, AT_LEAST_0, IN_0_1, Optimizer, adam_step, average_grad, average_sqr_grad,
-                                 callback_facts, debias, declare_callback, l2_reg, step_stat, weight_decay)
+                                 callback_facts, debias, declare_callback, declare_optimizer, l2_reg, step_stat,
+                                 weight_decay)
 from .optimizers import WHOLE_AT_LEAST_1
 
 # %% auto #0
@@ -626,3 +627,86 @@ def Adamax(params, lr=2e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., fast=None):
     "Adamax (Kingma and Ba 2015) as `torch.optim.Adamax`, with its defaults."
     cbs = [l2_reg, partial(average_grad, dampening=True), average_abs_max, step_stat, adamax_step]
     return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
+
+# %% ../nbs/07a_recent_optimizers.ipynb #r02
+def _torch_muon(params, lr=1e-3, mom=0.95, wd=0.1, nesterov=True, ns_steps=5, ns_eps=1e-7, adjust_lr='original'):
+    return torch.optim.Muon(params, lr=lr, momentum=mom, weight_decay=wd, nesterov=nesterov, ns_steps=ns_steps,
+                            eps=ns_eps, adjust_lr_fn=adjust_lr)
+
+def _by_kind(groups):
+    "Each group split into its matrices (kind 'muon') and its other parameters (kind 'adamw')."
+    tagged = []
+    for group in groups:
+        for kind, keep in (('muon', lambda p: p.dim() == 2), ('adamw', lambda p: p.dim() != 2)):
+            params = [p for p in group['params'] if keep(p)]
+            if params: tagged.append({**group, 'params': params, 'kind': kind})
+    return tagged
+
+def _muon_adamw(params, fast=None, **setting): return MuonAdamW(_by_kind(params), fast=fast, **setting)
+
+def _torch_muon_and_adamw(params, lr=1e-3, mom=0.95, wd=0.1, adam_mom=0.9, sqr_mom=0.95, eps=1e-8, **muon):
+    groups = _by_kind(params)
+    strip = lambda group: {k: v for k, v in group.items() if k != 'kind'}
+    muon_groups, adamw_groups = ([strip(g) for g in groups if g['kind'] == kind] for kind in ('muon', 'adamw'))
+    adjust_lr = muon.pop('adjust_lr', 'match_rms_adamw')
+    return ([_torch_muon(muon_groups, lr=lr, mom=mom, wd=wd, adjust_lr=adjust_lr, **muon)] if muon_groups else []) + \
+           ([torch.optim.AdamW(adamw_groups, lr=lr, betas=(adam_mom, sqr_mom), eps=eps, weight_decay=wd)] if adamw_groups else [])
+
+def _bfloat16_roundings(n_steps, setting, shapes):
+    "The fast step's largest difference from the callbacks for Muon: one bfloat16 rounding per entry and step."
+    ratio = max(muon_lr_ratio(shape, setting.get('adjust_lr', 'original')) for shape in shapes if len(shape) == 2)
+    return n_steps * setting['lr'] * ratio * 1.3 * 2 ** -7
+
+def _torch_adafactor(params, lr=1e-2, beta2_decay=-0.8, eps1=None, eps2=1e-3, d=1., wd=0.):
+    return torch.optim.Adafactor(params, lr=lr, beta2_decay=beta2_decay, eps=(eps1, eps2), d=d, weight_decay=wd)
+
+def _ademamix_reference(params, lr=1e-3, mom=0.9, sqr_mom=0.999, slow_mom=0.9999, slow_mix=5., slow_mix_warmup=0,
+                        slow_mom_warmup=0, eps=1e-8, wd=0.):
+    if slow_mix_warmup != slow_mom_warmup: return None
+    import pytorch_optimizer
+    return pytorch_optimizer.AdEMAMix(params, lr=lr, betas=(mom, sqr_mom, slow_mom), alpha=slow_mix, eps=eps,
+                                      t_alpha_beta3=slow_mix_warmup or None, weight_decay=wd, weight_decouple=True)
+
+def _schedulefree_reference(kind):
+    def make(params, lr, mom=0.9, wd=0., warmup_steps=0, r=0., weight_lr_power=2., **adam):
+        import schedulefree
+        common = dict(lr=lr, weight_decay=wd, warmup_steps=warmup_steps, r=r, weight_lr_power=weight_lr_power)
+        if kind == 'sgd': opt = schedulefree.SGDScheduleFree(params, momentum=mom, **common)
+        else: opt = schedulefree.AdamWScheduleFree(params, betas=(mom, adam.get('sqr_mom', 0.999)),
+                                                   eps=adam.get('eps', 1e-8), **common)
+        opt.train()  # the package starts in eval mode
+        return opt
+    return make
+
+def _torch_nadam(params, lr=2e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., momentum_decay=4e-3, decouple_wd=False):
+    return torch.optim.NAdam(params, lr=lr, betas=(mom, sqr_mom), eps=eps, weight_decay=wd,
+                             momentum_decay=momentum_decay, decoupled_weight_decay=decouple_wd)
+
+def _torch_adamax(params, lr=2e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0.):
+    return torch.optim.Adamax(params, lr=lr, betas=(mom, sqr_mom), eps=eps, weight_decay=wd)
+
+declare_optimizer(Muon, [dict(lr=0.02), dict(lr=0.02, wd=0.01, nesterov=False, adjust_lr='match_rms_adamw'),
+                         dict(lr=0.02, mom=0.9, adjust_lr='spectral_unclamped', ns_steps=3)],
+                  param_dims=(2,), reference=_torch_muon, fast_tolerance=_bfloat16_roundings)
+declare_optimizer(MuonAdamW, [dict(lr=3e-3), dict(lr=3e-3, wd=0.05, adam_mom=0.8, sqr_mom=0.99, nesterov=False)],
+                  make=_muon_adamw, reference=_torch_muon_and_adamw, fast_tolerance=_bfloat16_roundings)
+declare_optimizer(Adafactor, [dict(), dict(lr=3e-3, wd=0.1, d=2.), dict(eps1=1e-30, eps2=1e-2, beta2_decay=-0.5)],
+                  reference=_torch_adafactor)
+declare_optimizer(AdEMAMix, [dict(lr=1e-2), dict(lr=1e-2, slow_mix=2., slow_mom=0.999, wd=0.1),
+                             dict(lr=1e-2, slow_mix_warmup=8, slow_mom_warmup=8), dict(lr=1e-2, slow_mom_warmup=5)],
+                  reference=_ademamix_reference,
+                  differences="the reference warms slow_mix and slow_mom up over one number of steps, counts steps "
+                  "per group, and takes L2 decay unless weight_decouple=True")
+declare_optimizer(ScheduleFreeAdamW, [dict(lr=2e-3), dict(lr=2e-3, wd=0.05, warmup_steps=4, r=1., weight_lr_power=1., mom=0.8)],
+                  reference=_schedulefree_reference('adamw'), step_count='group')
+declare_optimizer(ScheduleFreeSGD, [dict(lr=0.05), dict(lr=0.05, wd=0.01, warmup_steps=4, r=0.5, mom=0.95)],
+                  reference=_schedulefree_reference('sgd'), step_count='group')
+declare_optimizer(SOAP, [dict(lr=3e-3), dict(lr=3e-3, wd=0., precondition_frequency=2, mom=0.9)],
+                  differences="no reference computes the same: pytorch-optimizer's SOAP renews its bases by power "
+                  "iteration and skips the first step; the tests check it against the paper's Algorithm 3",
+                  rounding_sensitive="a repeated eigenvalue's eigenvectors are any basis of its eigenspace, and the "
+                  "first preconditioner of an m x n matrix with m < n has n - m zero eigenvalues: a gradient summed in "
+                  "another order (two processes) can turn that basis")
+declare_optimizer(NAdam, [dict(lr=2e-3), dict(lr=2e-3, wd=0.01, momentum_decay=0.01),
+                          dict(lr=2e-3, wd=0.01, decouple_wd=True)], reference=_torch_nadam)
+declare_optimizer(Adamax, [dict(lr=2e-3), dict(lr=2e-3, wd=0.01, sqr_mom=0.99)], reference=_torch_adamax)

@@ -21,11 +21,11 @@ from .optimizers import WHOLE_AT_LEAST_1
 # %% auto #0
 __all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'AT_MOST_0', 'AT_LEAST_1', 'WHOLE_AT_LEAST_0', 'SCHEDULE_FREE_CLOCK',
            'newton_schulz', 'momentum_direction', 'orthogonalize_grad', 'shape_scaled_step', 'muon_lr_ratio',
-           'check_muon_params', 'check_adjust_lr', 'Muon', 'GroupedOptimizer', 'muon_splitter', 'MuonAdamW', 'by_shape',
-           'momentum_direction_multi', 'orthogonalize_grad_multi', 'shape_scaled_step_multi', 'relative_step_size',
-           'factored_sqr_grad', 'adafactor_step', 'sqr_grad_estimate', 'Adafactor', 'vectors_and_matrices',
-           'relative_step_size_multi', 'factored_sqr_grad_multi', 'adafactor_step_multi', 'slow_mom_at',
-           'slow_average_grad', 'slow_mix_at', 'ademamix_step', 'AdEMAMix', 'slow_average_grad_multi',
+           'check_muon_params', 'check_adjust_lr', 'Muon', 'GroupedOptimizer', 'output_layers', 'muon_splitter',
+           'MuonAdamW', 'by_shape', 'momentum_direction_multi', 'orthogonalize_grad_multi', 'shape_scaled_step_multi',
+           'relative_step_size', 'factored_sqr_grad', 'adafactor_step', 'sqr_grad_estimate', 'Adafactor',
+           'vectors_and_matrices', 'relative_step_size_multi', 'factored_sqr_grad_multi', 'adafactor_step_multi',
+           'slow_mom_at', 'slow_average_grad', 'slow_mix_at', 'ademamix_step', 'AdEMAMix', 'slow_average_grad_multi',
            'ademamix_step_multi', 'fused_per_parameter_on_cpu', 'ademamix_parameter', 'schedule_free_weights',
            'rms_normalize_grad', 'schedule_free_step', 'ScheduleFreeOptimizer', 'ScheduleFreeAdamW', 'ScheduleFreeSGD',
            'each_parameter', 'rms_normalize_grad_multi', 'schedule_free_step_multi', 'schedule_free_adamw_parameter',
@@ -130,13 +130,37 @@ class GroupedOptimizer(Optimizer):
     def __getstate__(self): return {**super().__getstate__(), 'cbs_by_kind': self.cbs_by_kind}
 
 # %% ../nbs/07a_recent_optimizers.ipynb #c015
-def muon_splitter(model):
-    "Two groups: the 2-D weights of `model`'s `Linear` layers but the last (kind 'muon'), and the rest (kind 'adamw')."
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    hidden = {id(m.weight) for m in linears[:-1]}
-    muon = [p for p in model.parameters() if id(p) in hidden]
-    return [{'params': muon, 'kind': 'muon'}, {'params': [p for p in model.parameters() if id(p) not in hidden],
-                                               'kind': 'adamw'}]
+def output_layers(model, kind=nn.Linear):
+    "The names of `model`'s `kind` layers whose output reaches the model's output without passing through another one."
+    try: graph = torch.fx.symbolic_trace(model).graph
+    except Exception as e:
+        raise ValueError(f"the model could not be traced with torch.fx to find its output layer ({type(e).__name__}: "
+                         f"{e}); name it: `muon_splitter(model, head='name')`, or "
+                         "`splitter=partial(muon_splitter, head='name')` for a Learner") from e
+    modules, found, seen = dict(model.named_modules()), [], set()
+    todo = [node for node in graph.nodes if node.op == 'output']
+    while todo:  # backwards from the output, stopping at each layer of `kind`
+        node = todo.pop()
+        if node in seen: continue
+        seen.add(node)
+        if node.op == 'call_module' and isinstance(modules.get(node.target), kind): found.append(node.target)
+        else: todo.extend(node.all_input_nodes)
+    return sorted(found)
+
+def muon_splitter(model,  # the model whose parameters to split
+                  head=None,  # name(s) of the output layer(s); None: found by tracing the model (`output_layers`)
+                 ):
+    "Two groups: the 2-D weights of `model`'s `Linear` layers but the head's (kind 'muon'), and the rest (kind 'adamw')."
+    heads = output_layers(model) if head is None else [head] if isinstance(head, str) else list(head)
+    modules = dict(model.named_modules())
+    unknown = [name for name in heads if name not in modules]
+    if unknown: raise ValueError(f"the model has no modules named {unknown}; its Linear layers are "
+                                 f"{[n for n, m in modules.items() if isinstance(m, nn.Linear)]}")
+    hidden = {id(m.weight) for name, m in modules.items() if isinstance(m, nn.Linear) and name not in heads}
+    named = list(model.named_parameters())
+    return [{'params': [p for _, p in kept], 'kind': kind, 'names': [n for n, _ in kept]}
+            for kind, kept in (('muon', [(n, p) for n, p in named if id(p) in hidden]),
+                               ('adamw', [(n, p) for n, p in named if id(p) not in hidden]))]
 
 
 def MuonAdamW(params,  # groups from `muon_splitter` (or any groups tagged 'muon' or 'adamw')

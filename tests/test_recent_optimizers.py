@@ -90,6 +90,41 @@ def test_muon_splitter_gives_hidden_matrices_to_muon_and_the_rest_to_adamw():
     assert len(muon['params']) == 2 and len(adamw['params']) == len(list(model.parameters())) - 2
 
 
+class HeadFirst(nn.Module):
+    "Its head defined before its body, and a skip that also feeds the output through a second Linear."
+    def __init__(self, skip=False):
+        super().__init__()
+        self.head = nn.Linear(16, 3)
+        self.body = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU())
+        self.skip = nn.Linear(8, 3) if skip else None
+    def forward(self, x): return self.head(self.body(x)) + (self.skip(x) if self.skip is not None else 0)
+
+
+class Branching(nn.Module):
+    "A forward that branches on the data: torch.fx cannot trace it."
+    def __init__(self):
+        super().__init__()
+        self.out, self.hidden = nn.Linear(4, 2), nn.Linear(4, 4)
+    def forward(self, x): return self.out(self.hidden(x) if x.sum() > 0 else x)
+
+
+def test_muon_splitter_finds_the_head_from_the_graph_not_the_order_of_definition():
+    model = HeadFirst()
+    muon, adamw = muon_splitter(model)
+    assert muon['names'] == ['body.0.weight', 'body.2.weight']  # the registration order would give the head to Muon
+    assert [p is q for p, q in zip(muon['params'], [model.body[0].weight, model.body[2].weight])] == [True, True]
+    assert 'head.weight' in adamw['names'] and len(adamw['params']) == len(list(model.parameters())) - 2
+    both = muon_splitter(HeadFirst(skip=True))  # two layers feed the output: both are heads
+    assert both[0]['names'] == ['body.0.weight', 'body.2.weight'] and {'head.weight', 'skip.weight'} <= set(both[1]['names'])
+
+
+def test_muon_splitter_asks_for_the_head_when_the_model_cannot_be_traced():
+    with pytest.raises(ValueError, match=r"head='name'"): muon_splitter(Branching())
+    muon, adamw = muon_splitter(Branching(), head='out')
+    assert muon['names'] == ['hidden.weight'] and 'out.weight' in adamw['names']
+    with pytest.raises(ValueError, match="no modules named"): muon_splitter(Branching(), head='output')
+
+
 @pytest.mark.parametrize('make, message', [
     (lambda: Muon([nn.Parameter(torch.zeros(3))]), r"shape \(3,\).*muon_splitter"),
     (lambda: Muon([nn.Parameter(torch.zeros(2, 2, 3, 3))]), r"shape \(2, 2, 3, 3\)"),

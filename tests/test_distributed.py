@@ -509,6 +509,23 @@ def test_sync_bn_on_two_ranks_equals_one_process_with_the_doubled_batch():
             else: assert gap > 1e-3  # 0.2 here: statistics of 32 items in each rank instead of the 64 of one batch
 
 
+class BatchNormKinds(Callback):
+    "The classes of the model's BatchNorm layers at the end of the fit."
+    def after_fit(self): self.kinds = [type(m).__name__ for m in batch_norm_layers(self.learn.model)]
+
+
+def gpu_batch_norm_fit():
+    kinds = BatchNormKinds()
+    fit = digits_fit(32, 0.1, 1, SGD_MOM, cbs=[kinds], batch_norm=True, sync_bn=True)
+    return kinds.kinds, fit['values']
+
+
+@pytest.mark.cuda
+def test_sync_bn_on_gpus_is_torchs_sync_batch_norm():
+    for kinds, values in run_ranks(gpu_batch_norm_fit, world_size=torch.cuda.device_count(), backend='nccl', timeout=300):
+        assert kinds == ['SyncBatchNorm'] * 3 and values[-1][3] > 0.5
+
+
 def test_sync_bn_on_a_model_without_batch_norm_is_refused_before_anything_changes():
     learn = digits_learner_fp32()
     dls, cbs = learn.dls, list(learn.cbs)

@@ -268,6 +268,8 @@ def fused_sgd_step(group, lr, mom, nesterov=False, **kwargs):
                       lr=lr, dampening=0., nesterov=nesterov, maximize=False, is_first_step=False)
 
 _FUSED_STATE = {fused_adam_step: ('grad_avg', 'sqr_avg'), fused_sgd_step: ('grad_avg',)}
+# torch's fused kernels add L2 decay (and Nesterov's look-ahead) to the gradient in registers, never in `p.grad`
+_LEAVES_GRADS = {fused_adam_step, fused_sgd_step}
 
 _adam_tail = [callback_key(partial(average_grad, dampening=True)), callback_key(average_sqr_grad),
               callback_key(step_stat), callback_key(adam_step)]
@@ -305,9 +307,10 @@ def _laid_out_alike(params, states, names):
 
 class FastStep:
     "A step on whole groups of tensors, made of multi-tensor versions of callbacks and fused kernels."
-    def __init__(self, steps, names, switches=(), fused_state=()):
+    def __init__(self, steps, names, switches=(), fused_state=(), changes_grad=True):
         self.steps, self.names, self.switches = steps, names, frozenset(switches)
         self.fused_state = tuple(fused_state)  # state its fused kernels walk with the parameters; None: no fused kernel
+        self.changes_grad = changes_grad  # whether it writes into the gradients (the optimizer then hands it copies)
 
     def __call__(self, params, states, hypers):
         group = TensorGroup(params, states)
@@ -334,7 +337,7 @@ def _fused_match(keys, start):
 
 def plan_fast_step(cbs):
     "A `FastStep` doing what the callbacks `cbs` do, or `None` if one of them has no multi-tensor version."
-    keys, steps, names, i = [callback_key(cb) for cb in cbs], [], [], 0
+    keys, steps, names, changes_grad, i = [callback_key(cb) for cb in cbs], [], [], False, 0
     while i < len(keys):
         fused, length = _fused_match(keys, i)
         if fused is None:
@@ -344,9 +347,11 @@ def plan_fast_step(cbs):
             fused = partial(version, **dict(keywords))
             names.append(version.__name__)
         else: names.append(fused.func.__name__)
+        if fused.func not in _LEAVES_GRADS:
+            changes_grad = changes_grad or any(callback_facts(func).changes_grad for func, _ in keys[i:i + length])
         steps.append(fused); i += length
     fused_state = {name for step in steps for name in _FUSED_STATE.get(getattr(step, 'func', None), ())}
-    return FastStep(steps, names, callback_switches(cbs), sorted(fused_state))
+    return FastStep(steps, names, callback_switches(cbs), sorted(fused_state), changes_grad)
 
 # %% ../nbs/08_fast_optimizers.ipynb #p016b
 add_fast_step_planner(plan_fast_step)

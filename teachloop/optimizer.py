@@ -359,8 +359,9 @@ class Optimizer(torch.optim.Optimizer):
                 if kept: group.update(kept); hypers.update(kept)
             params = [p for p in group['params'] if p.grad is not None]
             if not params: continue
+            fast_step = self.fast_step_for(params, hypers)
+            if fast_step is not None: changes_grad = getattr(fast_step, 'changes_grad', changes_grad)
             with gradients_kept(params, changes_grad):
-                fast_step = self.fast_step_for(params, hypers)
                 if fast_step is not None: fast_step(params, [self.state[p] for p in params], hypers)
                 else:
                     for p in params: self.step_param(p, hypers)

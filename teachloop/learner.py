@@ -197,6 +197,7 @@ class Learner:
         self.n_epoch = self.n_iter = self.epoch = self.iter = self.train_iter = self.start_epoch = self.skip_batches = 0
         self.pct_train, self.training = 0., False
         self.after_skipping = None  # called once the batches a resumed fit skips are drawn (see checkpoints)
+        self.keep_grads = False  # set by a callback during a training batch: its gradients stay in `.grad` at its end
         self.training_module = None  # what training batches call instead of `model`: a wrapper of it (data-parallel training)
         self.cbs, self._event_tables, self.interrupts = [], ({}, {}), InterruptGate()
         self._events = {}
@@ -380,10 +381,15 @@ def _do_one_batch(self:Learner):
     self.loss = self.loss_grad.detach().clone()
     self('after_loss')
     if not self.training: return
+    keep = False
     try:
         self._with_events(self.loss_grad.backward, 'backward', CancelBackwardException)
         self._with_events(self._step, 'step', CancelStepException)
-    finally: self.opt.zero_grad()  # also when the batch is cancelled after backward: its gradients must not reach the next step
+        keep = self.keep_grads
+    finally:
+        # also when the batch is cancelled after backward, or fails: its gradients must not reach the next step
+        if not keep: self.opt.zero_grad()
+        self.keep_grads = False
 
 @patch
 def _step(self:Learner):

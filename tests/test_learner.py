@@ -535,7 +535,7 @@ def test_a_learner_loaded_before_its_first_fit_trains_on_the_gpu(tmp_path):
 
 @pytest.mark.parametrize('sync_free', [False, True])
 def test_mixed_precision_float16_resumes_with_its_loss_scale(tmp_path, sync_free):
-    "A resumed float16 fit goes on with the saved scale, and so takes the same steps as an uninterrupted fit."
+    "A resumed float16 fit goes on with the saved scale and count of skipped steps: the same steps as an uninterrupted fit."
     import teachloop.checkpoint  # noqa: F401  (adds Learner.save_checkpoint)
     from teachloop.callbacks import MixedPrecision
     class OverflowAboveScale(Callback):  # as a loss scale too large for the gradients does
@@ -556,7 +556,7 @@ def test_mixed_precision_float16_resumes_with_its_loss_scale(tmp_path, sync_free
     learner().fit(2, cbs=[SaveAndStop()])
     resumed = learner()
     resumed.fit(2, resume=tmp_path / 'ck.pt')
-    assert resumed.mixed_precision.skipped == 0 and resumed.mixed_precision.scaler.get_scale() == 2. ** 15
+    assert resumed.mixed_precision.skipped == 1 and resumed.mixed_precision.scaler.get_scale() == 2. ** 15
     assert all(torch.equal(a, b) for a, b in zip(resumed.model.parameters(), whole.model.parameters()))
 
 
@@ -709,3 +709,36 @@ def test_a_background_fit_takes_every_step_whatever_the_main_thread_calls():
     assert learn.train_iter == 40 and len(learn.recorder.losses) == 40
     assert all(torch.equal(a, b) for a, b in zip(learn.model.parameters(), reference.model.parameters()))
     learn.validate()  # the learner is free again once the fit is over
+
+
+class KeepGradsAt(Callback):
+    "Training batch `at` keeps its gradients and takes no step."
+    def __init__(self, at): self.at = at
+    def before_step(self):
+        if self.train_iter == self.at:
+            self.learn.keep_grads = True
+            raise CancelStepException()
+
+
+class GradsAtBatchEnd(Callback):
+    "The gradients each training batch ends with (None where there are none)."
+    order, run_valid = 100, False
+    def before_fit(self): self.grads = []
+    def after_batch(self):
+        self.grads.append([None if p.grad is None else p.grad.clone() for p in self.learn.model.parameters()])
+
+
+@pytest.mark.parametrize('cancelled', [False, True], ids=['whole', 'cancelled after its step'])
+def test_a_batch_that_keeps_its_gradients_ends_with_them_unless_it_is_cancelled(cancelled):
+    ends = GradsAtBatchEnd()
+    cancel = [Raise('after_step', CancelBatchException, iter=0)] if cancelled else []
+    learn = tiny_learner(KeepGradsAt(0), ends, *cancel)
+    by_hand = copy.deepcopy(learn.model)
+    learn.fit(1)
+    xb, yb = learn.dls.train[0]
+    F.mse_loss(by_hand(xb), yb).backward()
+    first, second = ends.grads
+    if cancelled: assert all(g is None for g in first)
+    else: assert all(torch.equal(g, p.grad) for g, p in zip(first, by_hand.parameters()))
+    assert all(g is None for g in second) and learn.keep_grads is False  # the flag is the batch's: the next one clears
+    assert all(p.grad is None for p in learn.model.parameters())  # and so does the fit's end

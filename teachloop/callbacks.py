@@ -10,20 +10,23 @@ import inspect
 import math
 import time
 from collections import defaultdict
+from contextlib import contextmanager
 from functools import partial
 
 import torch
 
-from .core import check_count, default_device, to_device
+from .core import check_count, default_device, several_processes, to_device
 from fastcore.basics import patch
 
 from .learner import Callback, add_default_callbacks
+from .random_state import loader_generators, rng_states, set_rng_states
 from .recent_optimizers import recompute_batchnorm
 from .optimizer import Optimizer
 
 # %% auto #0
 __all__ = ['state_to_params_devices', 'DeviceCallback', 'accuracy', 'smooth_values', 'hypers_read', 'Recorder',
-           'smoothing_window', 'format_row', 'ProgressCallback', 'StepUndo', 'MixedPrecision', 'BatchNormAtAverage']
+           'smoothing_window', 'format_row', 'ProgressCallback', 'StepUndo', 'MixedPrecision', 'BatchNormAtAverage',
+           'GradientAccumulation']
 
 # %% ../nbs/05_callbacks.ipynb #c004
 def state_to_params_devices(opt):
@@ -353,16 +356,21 @@ class MixedPrecision(Callback):
         self.scaler = torch.amp.GradScaler(self.device_type) if self.dtype == torch.float16 else None
         if self.scaler is not None and self._saved_scaler is not None: self.scaler.load_state_dict(self._saved_scaler)
         self._saved_scaler, self._autocast, self.skipped, self._undo, self._pending = None, None, 0, None, None
-        self._deferred = self.sync_free if self.sync_free is not None else self.device_type == 'cuda' 
+        # A callback that adds up several batches' gradients (GradientAccumulation, below) keeps a batch's only once it
+        # knows they are finite: with one, the answer is waited for on CUDA too, unless `sync_free` says otherwise.
+        accumulated = any(getattr(cb, 'accumulates_grads', False) for cb in self.learn.cbs)
+        self._deferred = self.sync_free if self.sync_free is not None else self.device_type == 'cuda' and not accumulated
 
     def state_dict(self):
-        "The loss scaler's state (scale, growth tracker), so that a resumed fit goes on with the same scale."
-        return {'scaler': self.scaler.state_dict() if self.scaler is not None else self._saved_scaler}
+        "The loss scaler's state (scale, growth tracker) and the steps skipped, so that a resumed fit goes on from them."
+        return {'scaler': self.scaler.state_dict() if self.scaler is not None else self._saved_scaler,
+                'skipped': self.skipped}
 
     def load_state_dict(self, state):
         "Restore the scaler's state now, or at the next fit's start if its scaler does not exist yet."
         if state['scaler'] is not None and self.scaler is not None: self.scaler.load_state_dict(state['scaler'])
         else: self._saved_scaler = state['scaler']
+        self.skipped = state.get('skipped', 0)  # absent from checkpoints written before it was kept
 
     def before_batch(self):
         self._unscaled = False
@@ -413,6 +421,18 @@ class MixedPrecision(Callback):
         self._autocast = None
 
 # %% ../nbs/05_callbacks.ipynb #b02
+def _tracked_batch_norms(model):
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats for m in model.modules())
+
+@contextmanager
+def _random_states_kept(dl):
+    "A block after which every random generator, and those deciding `dl`'s order, are as they were before it."
+    rng, loader = rng_states(), [(g, g.get_state()) for g in loader_generators(dl)]
+    try: yield
+    finally:
+        set_rng_states(rng, warn=False)  # read on this machine a moment ago: every one of them fits
+        for generator, state in loader: generator.set_state(state)
+
 class BatchNormAtAverage(Callback):
     "Before each validation, recompute BatchNorm statistics at the weights an optimizer with `eval()` put in the model."
     order = -9  # right after TrainEvalCallback (-10), which switched model and optimizer to evaluation
@@ -420,7 +440,77 @@ class BatchNormAtAverage(Callback):
         check_count('n_batches', n_batches)
         self.n_batches = n_batches
     def before_validate(self):
-        if not callable(getattr(self.opt, 'eval', None)): return
+        if not callable(getattr(self.opt, 'eval', None)) or not _tracked_batch_norms(self.model): return
         device = next(self.model.parameters()).device
-        inputs = (to_device(tuple(batch[:-1]), device) for batch in self.dls.train)
-        recompute_batchnorm(self.model, inputs, self.n_batches)
+        with _random_states_kept(self.dls.train):  # later epochs draw the batches and dropout they draw without it
+            inputs = (to_device(tuple(batch[:-1]), device) for batch in self.dls.train)
+            recompute_batchnorm(self.model, inputs, self.n_batches)
+
+# %% ../nbs/05_callbacks.ipynb #g02
+class GradientAccumulation(Callback):
+    "Step once per `n_acc` training samples, with their mean gradient: the step of one batch of all of them."
+    # After MixedPrecision (10) and NaNCapture (20) check each batch's own gradients, before GradientClipping (30)
+    # clips their sum.
+    order, run_valid = 25, False
+    accumulates_grads = True  # MixedPrecision waits for its check of each batch's gradients (see there)
+    def __init__(self, n_acc=32):  # samples per step (of all processes, when several train together)
+        check_count('n_acc', n_acc)
+        self.n_acc, self.count, self.grads = n_acc, 0, None  # samples and gradients set aside since the last step
+
+    def check_fit(self):
+        if not hasattr(self.dls.train, '__len__'):
+            raise ValueError("GradientAccumulation steps at the last batch of every epoch, which it knows from the "
+                             "training loader's len(): this loader has none")
+        if any(isinstance(cb, MixedPrecision) and cb.sync_free for cb in self.learn.cbs):
+            raise ValueError("MixedPrecision(sync_free=True) steps before it knows whether the gradients are finite; "
+                             "GradientAccumulation must know it before it keeps them: use MixedPrecision(sync_free=None)")
+
+    def before_fit(self): self.count, self.grads = 0, None
+    def before_batch(self): self._keeping = False
+
+    def after_loss(self):
+        learn = self.learn
+        self._samples = len(learn.yb[0]) * (torch.distributed.get_world_size() if several_processes() else 1)
+        learn.loss_grad = learn.loss_grad * (self._samples / self.n_acc)
+
+    def before_step(self):
+        learn, seen = self.learn, self.count + self._samples
+        if seen < self.n_acc and learn.iter < learn.n_iter - 1:
+            self._keeping = learn.keep_grads = True
+            raise CancelStepException()
+        self._add_kept(seen)
+
+    def after_cancel_batch(self): self._keeping = False  # the learner cleared its gradients
+    def after_batch(self):
+        if self._keeping: self._set_aside()
+
+    def after_train(self): self.count, self.grads = 0, None  # a training phase cut short: its last batches are dropped
+
+    def _params(self): return [p for group in self.opt.param_groups for p in group['params']]
+
+    def _set_aside(self):
+        "Take the batch's gradients out of `.grad` (a later batch cancelled halfway then cannot reach them) and add them up."
+        grads = [p.grad for p in self._params()]
+        for p in self._params(): p.grad = None
+        self.grads = grads if self.grads is None else [
+            kept if grad is None else grad if kept is None else kept.add_(grad) for kept, grad in zip(self.grads, grads)]
+        self.count += self._samples
+
+    @torch.no_grad()
+    def _add_kept(self, seen):
+        "Before the step: the gradients set aside added to this batch's, scaled to the mean over the `seen` samples."
+        for p, kept in zip(self._params(), self.grads or []):
+            if kept is None: continue
+            kept = kept.to(p.device)  # on the CPU when a resumed fit read them from its checkpoint
+            if p.grad is None: p.grad = kept
+            else: p.grad.add_(kept)
+        if seen != self.n_acc:
+            for p in self._params():
+                if p.grad is not None: p.grad.mul_(self.n_acc / seen)
+        self.count, self.grads = 0, None
+
+    def state_dict(self):
+        "The samples and the gradients set aside since the last step: a fit resumed between two steps goes on exactly."
+        return {'count': self.count, 'grads': self.grads}
+
+    def load_state_dict(self, state): self.count, self.grads = state['count'], state['grads']

@@ -1,14 +1,28 @@
-"The standard callbacks: what the Recorder records."
+"The standard callbacks: what the Recorder records, BatchNorm statistics at the average, gradient accumulation."
+import copy
+import os
+import signal
+from functools import partial
+
 import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from teachloop.callbacks import Recorder, hypers_read, smooth_values, smoothing_window
+from teachloop.callbacks import (BatchNormAtAverage, GradientAccumulation, MixedPrecision, Recorder, hypers_read,
+                                 smooth_values, smoothing_window)
+from teachloop.checkpoint import Checkpoint, read_checkpoint
+from teachloop.data import DataLoaders
+from teachloop.faults import GradientClipping
 from teachloop.interop import OptimWrapper
+from teachloop.learner import CancelBatchException, Callback, Learner
 from teachloop.optimizer import SGD, Adam
+from teachloop.random_state import rng_states, same_state, set_seed
+from teachloop.recent_optimizers import ScheduleFreeAdamW
 from teachloop.testing import digits_learner, tiny_learner
 
 
@@ -72,3 +86,204 @@ def test_state_moved_with_its_model_sits_where_an_optimizer_made_on_the_gpu_keep
     assert placement(opt) == placement(stepped(nn.Linear(2, 1).cuda()))
     moved(torch.ones(3, 2, device='cuda')).sum().backward()
     opt.step()  # the fused kernels need every tensor on the parameters' device
+
+
+# ---- BatchNormAtAverage
+
+class Batches(Callback):
+    "The inputs of every training batch, in order."
+    def before_fit(self): self.seen = []
+    def before_batch(self):
+        if self.training: self.seen.append(self.learn.x.clone())
+
+
+def shuffled_learner(*cbs, bs=8, n_train=32, batch_norm=False, dropout=0., opt_func=partial(SGD, mom=0.9), lr=0.05):
+    "An MLP in float64 on `n_train` items (8 more to validate), shuffled by a generator of its own; no default callbacks."
+    set_seed(0)
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(n_train + 8, 4, generator=generator, dtype=torch.float64)
+    y = torch.tanh(x @ torch.tensor([1., -2., 0.5, 3.], dtype=torch.float64))[:, None]
+    train = DataLoader(TensorDataset(x[:n_train], y[:n_train]), batch_size=bs, shuffle=True,
+                       generator=torch.Generator().manual_seed(2))
+    dls = DataLoaders(train, DataLoader(TensorDataset(x[n_train:], y[n_train:]), batch_size=8))
+    layers = [nn.Linear(4, 8)] + ([nn.BatchNorm1d(8)] if batch_norm else []) + [nn.Tanh(), nn.Dropout(dropout),
+                                                                                 nn.Linear(8, 1)]
+    return Learner(dls, nn.Sequential(*layers).double(), F.mse_loss, opt_func=opt_func, lr=lr, default_cbs=False,
+                   cbs=[Recorder(), *cbs])
+
+
+@pytest.mark.numeric
+def test_batch_norm_at_average_leaves_the_batches_dropout_and_generators_of_the_fit_without_it():
+    fits = {}
+    for name, extra in (('without', []), ('with', [BatchNormAtAverage(n_batches=2)])):
+        batches = Batches()
+        learn = shuffled_learner(batches, *extra, batch_norm=True, dropout=0.25, opt_func=ScheduleFreeAdamW, lr=1e-2)
+        learn.fit(3)
+        fits[name] = (learn, batches.seen, rng_states(), learn.dls.train.generator.get_state())
+    (plain, plain_batches, plain_rng, plain_order), (averaged, batches, rng, order) = fits['without'], fits['with']
+    assert len(batches) == 12 and all(map(torch.equal, batches, plain_batches))
+    assert torch.equal(order, plain_order) and all(same_state(rng[k], plain_rng[k]) for k in ('torch', 'numpy', 'random'))
+    assert all(map(torch.equal, averaged.model.parameters(), plain.model.parameters()))  # the same dropout too
+    assert not torch.equal(averaged.model[1].running_mean, plain.model[1].running_mean)  # recomputed
+
+
+# ---- GradientAccumulation
+
+class StepProbe(Callback):
+    "At each optimizer step (after every callback that changes the gradients): the gradients, weights and hypers."
+    order = 100
+    def before_fit(self): self.steps = []
+    def before_step(self):
+        learn = self.learn
+        self.steps.append({'batch': learn.train_iter, 'grads': [p.grad.clone() for p in learn.model.parameters()],
+                           'weights': [p.detach().clone() for p in learn.model.parameters()],
+                           'hypers': dict(learn.opt.hypers[0])})
+
+
+class BatchLog(Callback):
+    "Every training batch: its items and its loss, unscaled."
+    def before_fit(self): self.batches = []
+    def after_loss(self):
+        if self.training: self.batches.append((self.learn.x.clone(), self.learn.y.clone(), self.learn.loss.item()))
+
+
+def mean_loss_gradient(model, weights, batches):
+    "The gradient of the mean loss over all the items of `batches`, for `model` with `weights`: one big batch."
+    model = with_weights(model, weights)
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    F.mse_loss(model(x), y).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def max_diff(a, b): return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+class InfAt(Callback):
+    "An infinite gradient at training batch `at` (counted from 0 over the fit), before MixedPrecision checks it."
+    order = 5
+    def __init__(self, at): self.at = at
+    def after_backward(self):
+        if self.train_iter == self.at: next(self.learn.model.parameters()).grad.view(-1)[0] = float('inf')
+
+
+class CancelAfterStep(Callback):
+    "Cancel training batch `at` (counted from 0 over the fit) after its backward and step."
+    def __init__(self, at): self.at = at
+    def after_step(self):
+        if self.train_iter == self.at: raise CancelBatchException()
+
+
+# 22 training items in batches of 4: 4, 4, 4, 4, 4, 2; 12 to a step: steps after batches 2 and 5 (4 + 4 + 2 items)
+ACCUMULATED = dict(bs=4, n_train=22)
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize('left_out', [None, 'mixed precision skips its step', 'cancelled after its backward'])
+def test_each_step_has_the_gradient_of_one_batch_of_all_its_items(left_out):
+    "Against a big batch computed by hand, in float64, with an uneven last group; a skipped batch is left out."
+    probe, log = StepProbe(), BatchLog()
+    extra = {None: [], 'mixed precision skips its step': [MixedPrecision(torch.float16), InfAt(1)],
+             'cancelled after its backward': [CancelAfterStep(1)]}[left_out]
+    learn = shuffled_learner(GradientAccumulation(12), probe, log, *extra, **ACCUMULATED)
+    learn.fit(2)
+    kept = [b for i, b in enumerate(log.batches) if not (left_out and i == 1)]
+    sizes, step_batches = ([12, 6, 12, 10], [3, 5, 8, 11]) if left_out else ([12, 10, 12, 10], [2, 5, 8, 11])
+    groups, start = [], 0
+    for size in sizes:
+        stop = start
+        while sum(len(b[0]) for b in kept[start:stop]) < size: stop += 1
+        groups.append(kept[start:stop])
+        start = stop
+    assert start == len(kept) and [s['batch'] for s in probe.steps] == step_batches
+    for step, group in zip(probe.steps, groups):
+        assert max_diff(step['grads'], mean_loss_gradient(learn.model, step['weights'], group)) < 1e-10
+    # the Recorder has every batch's own loss (a left-out one's too), not the scaled one its backward saw
+    weights = [next(s['weights'] for s in probe.steps if s['batch'] >= i) for i in range(len(log.batches))]
+    own = [F.mse_loss(with_weights(learn.model, w)(x), y).float().item() for w, (x, y, _) in zip(weights, log.batches)]
+    assert learn.recorder.losses == own
+
+
+def with_weights(model, weights):
+    "A copy of `model` with `weights`."
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), weights): p.copy_(w)
+    return model
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize('clipped', [False, True], ids=['plain', 'clipped'])
+def test_a_fit_with_accumulation_equals_the_fit_with_the_big_batches(clipped):
+    "Batches of 4 added up to 12 against a loader of 12 (same items, same order): GradientClipping clips the sum."
+    extra = lambda: [GradientClipping(max_norm=0.05)] if clipped else []
+    accumulated = shuffled_learner(GradientAccumulation(12), *extra(), **ACCUMULATED)
+    big = shuffled_learner(*extra(), bs=12, n_train=22)
+    accumulated.fit(3)
+    big.fit(3)
+    # float64: the same items' gradients summed in another order, 1e-16 a step
+    assert max_diff(accumulated.model.parameters(), big.model.parameters()) < 1e-10
+    assert len(accumulated.recorder.losses) == 18 and len(big.recorder.losses) == 6
+
+
+@pytest.mark.numeric
+def test_a_schedule_counts_batches_and_a_step_takes_the_values_of_the_batch_that_completes_it():
+    probe, log = StepProbe(), BatchLog()
+    learn = shuffled_learner(GradientAccumulation(12), probe, log, **ACCUMULATED)
+    learn.fit_one_cycle(2, 0.05)
+    step_batches = [s['batch'] for s in probe.steps]
+    assert step_batches == [2, 5, 8, 11]
+    for name in ('lr', 'mom'):
+        assert [s['hypers'][name] for s in probe.steps] == [learn.recorder.hps[name][i] for i in step_batches]
+    # the reference: torch's SGD on the big batches with those values
+    reference = shuffled_learner(**ACCUMULATED).model
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9)
+    bounds = [0] + [i + 1 for i in step_batches]
+    for step, start, stop in zip(probe.steps, bounds, bounds[1:]):
+        opt.param_groups[0].update(lr=step['hypers']['lr'], momentum=step['hypers']['mom'])
+        x, y = torch.cat([b[0] for b in log.batches[start:stop]]), torch.cat([b[1] for b in log.batches[start:stop]])
+        F.mse_loss(reference(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    assert max_diff(learn.model.parameters(), reference.parameters()) < 1e-10
+
+
+class CtrlCAfter(Callback):
+    "A Ctrl-C during training batch `at` (counted from 0 over the fit): the fit stops once that batch is whole."
+    def __init__(self, at): self.at = at
+    def after_backward(self):
+        if self.train_iter == self.at: os.kill(os.getpid(), signal.SIGINT)
+
+
+@pytest.mark.numeric
+def test_a_fit_interrupted_between_two_steps_resumes_with_the_gradients_set_aside(tmp_path):
+    whole = shuffled_learner(GradientAccumulation(12), **ACCUMULATED)
+    whole.fit(2)
+    first = shuffled_learner(GradientAccumulation(12), Checkpoint(tmp_path), **ACCUMULATED)
+    with pytest.raises(KeyboardInterrupt): first.fit(2, cbs=[CtrlCAfter(7)])  # the second batch of the second epoch
+    saved = read_checkpoint(tmp_path / 'interrupted.pt')['callbacks']['gradient_accumulation']
+    assert saved['count'] == 8 and all(torch.is_tensor(g) for g in saved['grads'])
+    second = shuffled_learner(GradientAccumulation(12), Checkpoint(tmp_path / 'again'), **ACCUMULATED)
+    second.fit(2, resume=tmp_path / 'interrupted.pt')
+    assert all(map(torch.equal, second.model.parameters(), whole.model.parameters()))
+    assert second.recorder.losses == whole.recorder.losses
+
+
+class Unsized:
+    "Batches of a loader without len()."
+    def __init__(self, batches): self.batches = batches
+    def __iter__(self): return iter(self.batches)
+
+
+@pytest.mark.parametrize('n_acc', [0, 2.5, True])
+def test_accumulation_refuses_a_count_that_is_not_a_whole_number(n_acc):
+    with pytest.raises(ValueError, match='n_acc must be a whole number'): GradientAccumulation(n_acc)
+
+
+@pytest.mark.parametrize('case', ['mixed precision without waiting', 'a loader without len'])
+def test_accumulation_refuses_a_fit_it_cannot_do_before_anything_changes(case):
+    learn = shuffled_learner(GradientAccumulation(12), **ACCUMULATED)
+    if case == 'a loader without len': learn.dls = DataLoaders(Unsized(list(learn.dls.train)), learn.dls.valid)
+    extra = [MixedPrecision(torch.float16, sync_free=True)] if case == 'mixed precision without waiting' else []
+    before = copy.deepcopy(learn.model.state_dict())
+    with pytest.raises(ValueError, match='sync_free' if extra else 'len'): learn.fit(1, cbs=extra)
+    assert learn.opt is None and all(torch.equal(v, before[k]) for k, v in learn.model.state_dict().items())

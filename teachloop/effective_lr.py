@@ -171,3 +171,13 @@ class EffectiveLRTracker(Callback):
         self.history.append({'iter': self.train_iter, 'update_ratio': self.tracker.ratios(),
                              'effective_lr': effective_lr_stats(self.opt, self.model, self.quantiles)})
         self.tracker = None
+
+    def state_dict(self):
+        "The history so far: a fit resumed from a checkpoint goes on with it."
+        return {'history': self.history}
+
+    def load_state_dict(self, state):
+        device = next(self.model.parameters()).device  # a checkpoint is read onto the CPU
+        on_device = lambda values: {name: v.to(device) for name, v in values.items()}
+        self.history = [{'iter': h['iter'], 'update_ratio': on_device(h['update_ratio']),
+                         'effective_lr': on_device(h['effective_lr'])} for h in state['history']]

@@ -111,13 +111,22 @@ class Sharpness(Callback):
         params = [p for p in self.model.parameters() if p.requires_grad]
         buffers = [b.clone() for b in self.model.buffers()]
         with torch.random.fork_rng(devices=[p.device for p in params if p.is_cuda][:1]), torch.enable_grad():
-            xb, yb = self._batch
+            xb, yb = to_device(self._batch, params[0].device)  # a resumed fit reads it from its checkpoint, on the CPU
             hvp = hessian_vector_product(self.loss_func(self.model(*xb), *yb), params)
             scale = self._scale(params, lr) if self._preconditioned else None
-            start = self._vector or [torch.randn_like(p) for p in params]
+            start = to_device(self._vector, params[0].device) if self._vector else [torch.randn_like(p) for p in params]
             value, self._vector = top_eigenvalue(hvp, start, self.n_iter, scale)
         for b, saved in zip(self.model.buffers(), buffers): b.copy_(saved)
         return value
+
+    def state_dict(self):
+        "The estimates so far, the batch they are taken on and the last eigenvector: a resumed fit goes on with them."
+        return {'steps': self.steps, 'sharpness': self.sharpness, 'thresholds': self.thresholds,
+                'batch': self._batch, 'vector': self._vector}
+
+    def load_state_dict(self, state):
+        self.steps, self.sharpness, self.thresholds = list(state['steps']), list(state['sharpness']), list(state['thresholds'])
+        self._batch, self._vector = state['batch'], state['vector']
 
     def _scale(self, params, lr):
         by_id = {id(p): name for name, p in self.model.named_parameters()}

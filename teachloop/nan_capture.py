@@ -18,8 +18,8 @@ from .random_state import rng_readers, same_state, saveable_rng, set_rng_states
 
 # %% auto #0
 __all__ = ['FiniteCheck', 'grads_are_finite', 'nonfinite_grads', 'cloned', 'AsyncFiniteCheck', 'tensors_in', 'PendingCheck',
-           'KeptStep', 'capture_file_name', 'NaNCapture', 'NaNReport', 'load_capture', 'watch_forward', 'graph_nodes',
-           'watch_backward', 'replay_nan']
+           'KeptStep', 'running_stat_layers', 'capture_file_name', 'NaNCapture', 'NaNReport', 'load_capture',
+           'watch_forward', 'graph_nodes', 'watch_backward', 'replay_nan']
 
 # %% ../nbs/12_nan_capture.ipynb #c011
 class FiniteCheck:
@@ -106,9 +106,15 @@ def _all_finite(tensors): return all(bool(torch.isfinite(t).all()) for t in tens
 
 @dataclass(slots=True)
 class KeptStep:
-    "What `NaNCapture` keeps from the start of the current step: the batch and the random states."
+    "What `NaNCapture` keeps from the start of the current step: the batch, the random states, the running statistics."
     batch: tuple = None
     rng: dict = None
+    running_stats: dict = None  # copies, by state-dict name: the step's forward updates them before the check
+
+def running_stat_layers(model):
+    "`(state-dict prefix, layer)` of the layers whose forward in training changes buffers: BatchNorm's, running statistics."
+    return [(f'{name}.' if name else '', m) for name, m in model.named_modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
 
 def capture_file_name():
     "The capture's file name inside a folder: with the process's rank when torch.distributed runs, as each rank writes its own."
@@ -168,6 +174,7 @@ class NaNCapture(Callback):
         self._check = FiniteCheck(device) if device is not None else _all_finite
         self._async_check = AsyncFiniteCheck(device) if deferred else None
         self._kept, self._pending, self._undo_due = KeptStep(), None, False
+        self._stat_layers = running_stat_layers(self.model)
         self._readers = rng_readers()  # the generators read at the start of every checked step
         self._probe = self.rngs == 'auto'  # the first checked step shows which generators the steps draw from
         self.captured = None
@@ -180,6 +187,7 @@ class NaNCapture(Callback):
         if learn.train_iter % self.check_every: return
         kept = self._kept
         kept.batch, kept.rng = (learn.xb, learn.yb), {name: read() for name, read in self._readers.items()}
+        if self._stat_layers: kept.running_stats = self._running_stats(copy=True)
 
     def before_step(self):
         if self.learn.train_iter % self.check_every: return
@@ -213,6 +221,7 @@ class NaNCapture(Callback):
         rng = {name: kept[name] if name in kept else read() for name, read in rng_readers().items()}
         model, opt = states or (self.model.state_dict(), self.opt.state_dict())
         if copy: model, opt = cloned(model), cloned(opt)
+        model = {**model, **(self._kept.running_stats or {})}  # the weights and statistics from before the bad batch
         return {'model': model, 'opt': opt, 'batch': self._kept.batch, 'rng': rng,
                 'rng_read_at': {name: 'start' if name in kept else 'end' for name in rng},
                 'epoch': self.epoch, 'iter': self.iter, 'train_iter': self.train_iter, 'loss': self.loss}
@@ -226,7 +235,19 @@ class NaNCapture(Callback):
         print(f"NaNCapture: non-finite gradients in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} at epoch "
               f"{record['epoch']}, batch {record['iter']}{note}; the step is saved to {self.path!r} and the fit stopped")
 
+    def _running_stats(self, copy=False):
+        "The running statistics of the model's BatchNorm layers by state-dict name (`copy`: cloned)."
+        return {prefix + name: b.clone() if copy else b for prefix, m in self._stat_layers
+                for name, b in m.named_buffers(recurse=False)}
+
+    @torch.no_grad()
+    def _put_back_running_stats(self):
+        "The running statistics as they were at the start of the batch, before its forward added its NaN to them."
+        kept = self._kept.running_stats or {}
+        for name, live in self._running_stats().items(): live.copy_(kept[name])
+
     def _capture(self, bad):
+        self._put_back_running_stats()
         self._save(self._step_record(), bad)
         self.opt.zero_grad()
         raise CancelFitException()

@@ -353,7 +353,9 @@ def test_sync_free_handles_0d_state(tmp_path, opt_func):
     learn.fit(1)
     capture = load_capture(tmp_path / 'nan.pt')
     assert capture['train_iter'] == 4 and capture['weights_finite']
-    assert int(model[1].num_batches_tracked) == 5  # the forward passes of steps 0-4; no step after the bad one ran
+    # the forward passes of steps 0-3: the bad step's running statistics are put back with its weights, and no step
+    # after the bad one ran
+    assert int(model[1].num_batches_tracked) == 4
     assert all(bool(torch.isfinite(p).all()) for p in learn.model.parameters())
 
 
@@ -398,3 +400,43 @@ def test_a_replay_on_a_machine_with_fewer_gpus_says_so_in_its_report(tmp_path, m
         report = replay_nan(fresh, tmp_path / 'two-gpus.pt')
     assert report.recurred and not report.rng_exact
     assert any('read with 2 GPU' in note for note in report.notes) and 'read with 2 GPU' in str(report)
+
+
+class NaNInputAt(Callback):
+    "A NaN in the first input of training step `at` (counted from 0): its forward puts NaN into BatchNorm's statistics."
+    order = -30
+    def __init__(self, at): self.at = at
+    def before_batch(self):
+        if self.learn.training and self.learn.train_iter == self.at:
+            x = self.learn.xb[0].clone()
+            x[0] = float('nan')
+            self.learn.xb = (x, *self.learn.xb[1:])
+
+
+class StopBefore(Callback):
+    "Stop the fit before training step `at` (counted from 0)."
+    order = -30
+    def __init__(self, at): self.at = at
+    def before_batch(self):
+        if self.learn.training and self.learn.train_iter == self.at: raise CancelFitException()
+
+
+def batch_norm_learner(*cbs):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
+    return quiet(Learner(digits_dls(bs=32), model, F.cross_entropy, opt_func=SGD, lr=0.1, default_cbs=False,
+                         cbs=list(cbs)))
+
+
+@pytest.mark.parametrize('sync_free', [False, True])
+def test_a_capture_leaves_the_batchnorm_statistics_of_the_start_of_the_bad_batch(tmp_path, sync_free):
+    "The bad batch's forward updated the running statistics with its NaN: the model and the file have them from before it."
+    captured = batch_norm_learner(NaNInputAt(5), NaNCapture(tmp_path / 'nan.pt', sync_free=sync_free))
+    captured.fit(1)
+    stopped = batch_norm_learner(StopBefore(5))
+    stopped.fit(1)
+    assert captured.nan_capture.captured is not None
+    expected = stopped.model.state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in captured.model.state_dict().items())
+    capture = load_capture(tmp_path / 'nan.pt')
+    assert capture['weights_finite'] and all(torch.equal(v, expected[k]) for k, v in capture['model'].items())

@@ -5,10 +5,13 @@ BIN := $(VENV)/bin
 # The registry's CUDA build of torch runs on the CPU too, and it is the one torchvision imports with.
 TORCH_SPEC ?= torch==2.14.0 torchvision==0.29.2
 STAMP := $(VENV)/.installed
-NBDEV_FLAGS ?=
 NB_WORKERS ?= 2
+# pytest on both cores (pytest-xdist); tests/conftest.py starts the long tests first and keeps the browser tests (and
+# the multi-process ones) to one worker at a time.
+TEST_WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
-.PHONY: demo test test-quick gpu-check lab export readme clean-venv browser-deps docs
+.PHONY: demo test test-busy test-quick gpu-check lab export readme clean-venv browser-deps docs
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -21,16 +24,29 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/teachloop-demo
 
-## All tests: pytest (browser tests included), the numeric tests again on the CPU's baseline kernels (float32
-## rounding differs with the vector width: users' CPUs are not this one), every notebook top to bottom.
+## All tests, in two runs of pytest on both cores:
+## 1. every test (browser tests included) and every notebook top to bottom in a Jupyter kernel, as the site runs it
+##    (the site keeps what they showed);
+## 2. the numeric tests again on the CPU's baseline kernels (float32 rounding differs with the vector width: users'
+##    CPUs are not this one), beside the site built from those notebooks (`make docs`) and checked in Chromium.
 test: $(STAMP) browser-deps
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest
-	ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "numeric and not slow" -p no:cacheprovider
-	OMP_NUM_THREADS=1 $(BIN)/nbdev-test --n-workers $(NB_WORKERS) $(if $(NBDEV_FLAGS),--flags "$(NBDEV_FLAGS)")
+	@status=0; \
+	$(PYTEST) -m "not site" --durations=15 || status=1; \
+	ATEN_CPU_CAPABILITY=default $(PYTEST) -m "site or (numeric and not slow)" -p no:cacheprovider || status=1; \
+	exit $$status
+
+## `make test` with two CPU-bound processes running beside it all along (a busy laptop, a shared CI runner); they are
+## stopped when it ends, whatever the result (and end by themselves if their shell is killed).
+CPU_HOG := $(PYTHON) -c 'import itertools, os; shell = os.getppid(); all(os.getppid() == shell for _ in itertools.count())'
+test-busy: $(STAMP) browser-deps
+	@$(CPU_HOG) & one=$$!; $(CPU_HOG) & two=$$!; \
+	trap 'kill $$one $$two 2>/dev/null' EXIT; trap 'exit 130' INT TERM; \
+	echo "make test-busy: CPU-bound processes $$one and $$two run beside the tests"; \
+	$(MAKE) --no-print-directory test
 
 ## The quick subset while working: no slow or browser tests, no notebooks.
 test-quick: $(STAMP)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -m "not slow and not browser"
+	$(PYTEST) -m "not slow and not browser and not notebook"
 
 ## On a CUDA machine: the cuda tests, fits with no host sync inside batches, and the GPU benchmarks, in one report.
 gpu-check: $(STAMP)
@@ -48,7 +64,8 @@ readme: $(STAMP)
 	$(BIN)/jupyter nbconvert --to markdown nbs/index.ipynb --stdout 2>/dev/null > README.md
 
 ## The course as a static site in _site/ (Sphinx, myst-nb): every notebook runs in a kernel, cached, so it runs again
-## only when its code or the package changed; a cell that raises fails the build; cells nbdev-test skips are not run.
+## only when its code, the package or what is installed changed (`make test` has run them all); a cell that raises
+## fails the build; cells flagged with nbdev's `tst_flags` (notest, cuda, browser) are not run.
 ## npm fetches the widget manager and MathJax once: the pages need no network.
 docs: $(STAMP)
 	$(BIN)/python docs/prepare.py

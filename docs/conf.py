@@ -26,6 +26,7 @@ myst_heading_anchors = 3
 nb_execution_mode = 'cache'
 nb_execution_cache_path = str(HERE / '_build' / 'jupyter_cache')
 nb_execution_raise_on_error = True
+nb_execution_allow_errors = False
 nb_execution_show_tb = True
 nb_execution_timeout = 900
 # Notebooks write their files to temporary folders anyway; this keeps stray ones out of the sources.

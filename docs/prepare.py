@@ -3,27 +3,40 @@ myst-nb cell tags, the home page's table of contents, the API reference page; an
 MathJax once (npm), so that the site's pages need no network.
 
 Only files whose content changed are rewritten, so Sphinx re-reads (and jupyter-cache re-runs) only those.
+
+`run_notebook` executes one of those notebooks into the site's cache exactly as `make docs` would: the tests run every
+notebook that way (in parallel with the other tests), and the site build then finds them all executed.
 """
+import fcntl
 import hashlib
+import importlib.metadata
+import os
 import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tarfile
 import tempfile
+from contextlib import ExitStack, contextmanager, suppress
 from pathlib import Path
 
 import nbformat
 from jupyter_cache import get_cache
+from jupyter_cache.base import CacheBundleIn
+from jupyter_cache.executors.utils import single_nb_execution
 from nbdev.config import get_config
 
 import api
+import conf
 
 ROOT = Path(__file__).resolve().parents[1]
 NBS = ROOT / 'nbs'
 BUILD = ROOT / 'docs' / '_build'
 SRC = BUILD / 'src'
 STATIC = BUILD / 'static'
+CACHE = Path(conf.nb_execution_cache_path)
+LOCKS = BUILD / 'locks'
 # The html-manager 1.x line renders ipywidgets 8 state; both packages are pinned so the site does not change by itself.
 NPM_PACKAGES = {'widgets': ('@jupyter-widgets/html-manager@1.0.15', ['dist/embed.js', 'dist/*.woff', 'dist/*.woff2',
                                                                        'dist/*.ttf', 'dist/*.eot', 'dist/*.svg',
@@ -77,14 +90,24 @@ def target_cell(cell_id, labels):
 
 
 def library_version():
-    "A hash of the package's sources: jupyter-cache keys a notebook by its own code, not by the library it imports."
+    "A hash of the package's sources and of the installed packages: jupyter-cache keys a notebook by its own code only."
     digest = hashlib.sha256()
     for path in sorted((ROOT / 'teachloop').rglob('*.py')): digest.update(path.read_bytes())
+    digest.update('\n'.join(installed_packages()).encode())
     return digest.hexdigest()[:16]
 
 
+def installed_packages():
+    "`name==version` of each package in the environment's site-packages, the project itself left out."
+    # Only site-packages: a process's sys.path may also hold the project's own build metadata (an .egg-info).
+    paths = sorted({sysconfig.get_paths()[kind] for kind in ('purelib', 'platlib')})
+    found = {d.metadata['Name'].lower(): d.version for d in importlib.metadata.distributions(path=paths)}
+    found.pop('teachloop', None)
+    return sorted(f'{name}=={version}' for name, version in found.items())
+
+
 def version_cell(version):
-    "A hidden first cell naming the library's version, so that a change anywhere in the package runs the notebook again."
+    "A hidden first cell naming the library's version: a change in the package or in what is installed runs it again."
     cell = nbformat.v4.new_code_cell(f'# teachloop sources {version}', id='site-library-version')
     cell.metadata['tags'] = ['remove-cell']
     return cell
@@ -123,7 +146,21 @@ def contents(course, designs):
 
 
 def write_if_changed(path, text):
-    if not path.exists() or path.read_text() != text: path.write_text(text)
+    "Write `text` unless `path` holds it already; a reader never sees a half-written file."
+    if path.exists() and path.read_text() == text: return
+    partial = path.with_name(f'.{path.name}.{os.getpid()}')
+    partial.write_text(text)
+    os.replace(partial, path)
+
+
+@contextmanager
+def locked(name):
+    "Hold the lock file `docs/_build/locks/<name>`: one process at a time (test workers, a `make docs` beside them)."
+    LOCKS.mkdir(parents=True, exist_ok=True)
+    with open(LOCKS / name, 'w') as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try: yield
+        finally: fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def fetch_npm(name, spec, patterns):
@@ -148,7 +185,12 @@ def fetch_npm(name, spec, patterns):
         shutil.move(staging, folder)
 
 
-def main():
+def write_sources():
+    "The notebooks, home page and API page in docs/_build/src, and the execution cache ready for parallel readers."
+    with locked('sources'): _write_sources()
+
+
+def _write_sources():
     SRC.mkdir(parents=True, exist_ok=True)
     flags, (toolkit, designs) = test_flags(), api.course_modules()
     targets = {}
@@ -168,13 +210,63 @@ def main():
                                                      id='site-contents'))
     write_if_changed(SRC / 'index.ipynb', nbformat.writes(process(home, flags, {})))
     write_if_changed(SRC / 'api.md', api.api_page({stem: title(nb) for stem, nb in notebooks.items()}))
-    for stale in set(p.name for p in SRC.iterdir()) - written: (SRC / stale).unlink()
-    for name, (spec, patterns) in NPM_PACKAGES.items(): fetch_npm(name, spec, patterns)
+    for stale in set(p.name for p in SRC.iterdir() if not p.name.startswith('.')) - written: (SRC / stale).unlink()
     # Sphinx's parallel readers would each create the cache's database, and all but one fail.
-    cache = get_cache(BUILD / 'jupyter_cache')
+    cache = get_cache(CACHE)
     cache.db
     # Each run of a changed notebook adds an entry; a few per notebook is enough to go back and forth.
     cache.change_cache_limit(4 * len(written))
+
+
+def notebook_stems():
+    "The site's notebooks (as `write_sources` names them in docs/_build/src), home page included."
+    return sorted(path.stem for path in NBS.glob('*.ipynb'))
+
+
+class NotebookFailed(Exception):
+    "A cell of a site notebook raised (or ran past the site's time limit per cell)."
+
+
+def run_notebook(stem):
+    """Execute the site's notebook `stem` as `make docs` does (a fresh kernel, in a temporary folder, the cells that
+    `nbdev-test` skips not run) and keep it in the site's cache; nothing runs if the cache has it with this code and
+    library. The seconds it took, or None when cached; `NotebookFailed` with the cell's traceback on an error."""
+    path = SRC / f'{stem}.ipynb'
+    with locked(f'{stem}.lock'):  # the site test's `make docs` waits for it, then finds it executed
+        cache, nb = get_cache(CACHE), nbformat.read(path, as_version=4)
+        with suppress(KeyError):
+            cache.match_cache_notebook(nb)
+            return None
+        record = cache.add_nb_to_project(str(path))
+        with tempfile.TemporaryDirectory() as cwd:
+            result = single_nb_execution(nb, cwd=cwd, timeout=conf.nb_execution_timeout,
+                                         allow_errors=conf.nb_execution_allow_errors, meta_override=True)
+        if result.err is not None: raise NotebookFailed(f"{stem}.ipynb: {result.err}")
+        cache.cache_notebook_bundle(CacheBundleIn(nb, record.uri, data={'execution_seconds': result.time}),
+                                    check_validity=False, overwrite=True)
+        return result.time
+
+
+def last_run_seconds():
+    "Notebook stem -> seconds its last execution took, from the site's cache (to start the longest ones first)."
+    if not (CACHE / 'global.db').exists(): return {}
+    seconds = {}
+    for record in sorted(get_cache(CACHE).list_cache_records(), key=lambda r: r.created):
+        seconds[Path(record.uri).stem] = (record.data or {}).get('execution_seconds', 0.)
+    return seconds
+
+
+@contextmanager
+def every_notebook_locked():
+    "Hold every notebook's lock: while `make docs` runs, the tests do not execute a notebook it is executing."
+    with ExitStack() as stack:
+        for stem in notebook_stems(): stack.enter_context(locked(f'{stem}.lock'))
+        yield
+
+
+def main():
+    write_sources()
+    for name, (spec, patterns) in NPM_PACKAGES.items(): fetch_npm(name, spec, patterns)
 
 
 if __name__ == '__main__':

@@ -13,10 +13,32 @@ def pytest_report_header(config):
     return f"torch {torch.__version__}, CPU kernels: {torch.backends.cpu.get_cpu_capability()}"
 
 
+# Tests that share something beyond their process, each group run by one test worker at a time (`--dist loadgroup`):
+# a browser test drives a Jupyter server, its kernel and Chromium (two at once would only slow each other down); a
+# distributed test (test_distributed.py, or marked `ranks`) starts processes that take both cores.
+XDIST_GROUPS = {'browser': lambda item: marked(item, 'browser') and not marked(item, 'site'),
+                'ranks': lambda item: marked(item, 'ranks') or item.path.name == 'test_distributed.py'}
+
+
+def marked(item, name): return item.get_closest_marker(name) is not None
+
+
+def start_order(item):
+    """Where `item` goes in the run: the long ones first (every notebook, the browser tests, the slow tests), so that
+    the short tests fill both workers at the end; the site's check last, once the notebooks it shows have run."""
+    for order, name in enumerate(('notebook', 'browser', 'slow')):
+        if marked(item, name) and not marked(item, 'site'): return order
+    return 4 if marked(item, 'site') else 3
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if 'cuda' in item.keywords and not torch.cuda.is_available(): item.add_marker(skip_cuda)
+        for group, member in XDIST_GROUPS.items():
+            if member(item): item.add_marker(pytest.mark.xdist_group(group))
+    items[:] = sorted(items, key=start_order)  # stable: in file order within each kind
 
 
 @pytest.fixture(autouse=True)
@@ -27,8 +49,9 @@ def cpu_unless_marked_cuda(request, monkeypatch):
     a GPU's kernels give other roundings and are not deterministic (atomic adds in convolution backward), so they
     could not. What runs on the GPU is tested by the `cuda` tests and `make gpu-check`. `CUDA_VISIBLE_DEVICES` hides
     the GPU from subprocesses; this process may have started CUDA already, so `is_available` answers False too.
+    A notebook runs as `make docs` runs it, with the GPU when there is one: its outputs are the site's.
     """
-    if 'cuda' in request.keywords: return
+    if 'cuda' in request.keywords or 'notebook' in request.keywords: return
     monkeypatch.setenv('CUDA_VISIBLE_DEVICES', '')
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
 

@@ -1,9 +1,15 @@
-"""The course site in a real browser: headless Chromium reads `_site/` from a local http.server, with no network.
+"""The course site: every notebook run top to bottom in a Jupyter kernel, then the site built and read in a browser.
 
-The test always builds the site first through `make docs`, the command that publishes it, so `_site/` is never missing
-or stale: the first build runs every notebook (minutes), later ones only the notebooks whose code or whose package
-changed (seconds when nothing did); a notebook cell that raises fails the build and so the test. It is skipped when
-Chromium, playwright or make is missing.
+`test_notebook_runs_top_to_bottom` is the notebook test: one test per notebook, each executed in a fresh kernel
+exactly as `make docs` executes it (cells flagged `notest`, `cuda` or `browser` are not run, as `nbdev-test` skips
+them), and kept in the site's cache. A cell that raises fails the test with its traceback. A notebook that the cache
+holds with the same code, library and installed packages is not run again. The notebooks run in parallel with the
+other tests (pytest-xdist), and `make docs` then only renders them.
+
+`test_site` builds the site through `make docs`, the command that publishes it, so `_site/` is never missing or stale,
+then headless Chromium reads `_site/` from a local http.server, with no network. It runs after the notebooks (`make
+test` runs it in its second step; a plain `pytest` orders it last); a notebook not executed yet is executed by the
+build. It is skipped when Chromium, playwright or make is missing.
 
 Checks: the sidebar links reach every notebook page; every course page loads without console errors, failed requests
 or requests leaving the machine; each page shows at least as many images as its executed notebook has cells with a PNG
@@ -17,6 +23,7 @@ import os
 import pkgutil
 import shutil
 import subprocess
+import sys
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -24,20 +31,24 @@ from urllib.parse import urldefrag, urljoin
 
 import pytest
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(3600)]
-
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / 'docs'))
+import prepare  # noqa: E402  (docs/prepare.py: the site's sources and how its notebooks are executed)
+
 SITE = ROOT / '_site'
-BUILD = ROOT / 'docs' / '_build'
+BUILD = prepare.BUILD
 ARTIFACTS = ROOT / 'artifacts'
 CHROMIUM = shutil.which('chromium') or '/usr/bin/chromium'
 CHROMIUM_ARGS = ['--no-sandbox', '--disable-gpu', '--disable-background-networking', '--disable-component-update',
                  '--disable-sync', '--no-first-run', '--disable-quic']
 WIDGET_VIEW = 'script[type="application/vnd.jupyter.widget-view+json"]'
+# How long the browser may take for one step (a page, its widgets, its formulas) before the test calls it a hang: a
+# safety net, not a measure of speed; the waits are for the page's state.
+PATIENCE_MS = 300_000
 
 
 def notebook_pages():
-    return sorted(p.stem for p in (ROOT / 'nbs').glob('*.ipynb'))
+    return prepare.notebook_stems()
 
 
 def png_cells(stem):
@@ -45,7 +56,7 @@ def png_cells(stem):
     import nbformat
     from jupyter_cache import get_cache
     source = nbformat.read(BUILD / 'src' / f'{stem}.ipynb', as_version=4)
-    try: _, executed = get_cache(BUILD / 'jupyter_cache').merge_match_into_notebook(source)
+    try: _, executed = get_cache(prepare.CACHE).merge_match_into_notebook(source)
     except KeyError: raise AssertionError(f"{stem}: the site's cache has no executed copy of the notebook") from None
     return sum(any('image/png' in out.get('data', {}) for out in cell.get('outputs', []))
                for cell in executed.cells if cell.cell_type == 'code')
@@ -55,16 +66,33 @@ class QuietHandler(SimpleHTTPRequestHandler):
     def log_message(self, *args): pass
 
 
+@pytest.fixture(scope='session')
+def site_sources():
+    "docs/_build/src written, once per test process (the second one finds nothing to change)."
+    prepare.write_sources()
+
+
+@pytest.mark.notebook
+@pytest.mark.timeout(3600)  # a safety net: nbclient stops a cell after the site's limit (docs/conf.py)
+@pytest.mark.parametrize('stem', prepare.notebook_stems())
+def test_notebook_runs_top_to_bottom(site_sources, stem):
+    try: seconds = prepare.run_notebook(stem)
+    except prepare.NotebookFailed as failed: pytest.fail(str(failed), pytrace=False)
+    print(f"{stem}: " + ("in the site's cache with this code and library" if seconds is None else f"ran in {seconds:.1f} s"))
+
+
 @pytest.fixture(scope='module')
 def site():
     "`make docs`, then `_site/` served on a free localhost port; the server stops afterwards."
     if not os.path.exists(CHROMIUM): pytest.skip("chromium is not installed (`make browser-deps` installs it as root)")
     pytest.importorskip('playwright.sync_api', reason="the playwright package is not installed")
     if not shutil.which('make'): pytest.skip("make is not installed")
-    fetched = all((ROOT / 'docs' / '_build' / 'static' / name / '.spec').exists() for name in ('widgets', 'mathjax'))
+    fetched = all((BUILD / 'static' / name / '.spec').exists() for name in ('widgets', 'mathjax'))
     if not fetched and not shutil.which('npm'): pytest.skip("npm is not installed: `make docs` needs it once")
-    build = subprocess.run(['make', '-C', str(ROOT), 'docs'], capture_output=True, text=True,
-                           env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    # The readers' kernels, not the numeric tests' baseline ones; OMP_NUM_THREADS=1 as for every test process.
+    env = {k: v for k, v in os.environ.items() if k != 'ATEN_CPU_CAPABILITY'} | {'OMP_NUM_THREADS': '1'}
+    with prepare.every_notebook_locked():  # a notebook test running now finishes first; those after find it cached
+        build = subprocess.run(['make', '-C', str(ROOT), 'docs'], capture_output=True, text=True, env=env)
     assert build.returncode == 0, f"make docs failed:\n{build.stdout[-5000:]}\n{build.stderr[-5000:]}"
     server = ThreadingHTTPServer(('127.0.0.1', 0), functools.partial(QuietHandler, directory=str(SITE)))
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -98,8 +126,8 @@ def browser_page(site):
 
 
 def open_page(page, url):
-    page.goto(url, wait_until='load', timeout=60_000)
-    page.wait_for_load_state('networkidle', timeout=60_000)
+    page.goto(url, wait_until='load', timeout=PATIENCE_MS)
+    page.wait_for_load_state('networkidle', timeout=PATIENCE_MS)
 
 
 def wait_for_widgets(page):
@@ -112,7 +140,7 @@ def wait_for_widgets(page):
     }}""")
     if saved: page.wait_for_function(f"""() => [...document.querySelectorAll('{WIDGET_VIEW}')].filter(view =>
         view.previousElementSibling?.matches('.widget-subarea') && view.previousElementSibling.childElementCount
-        ).length >= {saved}""", timeout=30_000)
+        ).length >= {saved}""", timeout=PATIENCE_MS)
     return views, saved
 
 
@@ -146,7 +174,7 @@ def check_course_page(page, problems, url, stem):
     problems.clear()
     open_page(page, url)
     views, saved = wait_for_widgets(page)
-    if page.locator('.math').count(): page.wait_for_selector('mjx-container', timeout=30_000)
+    if page.locator('.math').count(): page.wait_for_selector('mjx-container', timeout=PATIENCE_MS)
     images, broken = image_counts(page)
     expected = png_cells(stem)
     faults = [f"{stem}: {problem}" for problem in problems]
@@ -174,13 +202,17 @@ def check_api_page(page, problems, url, ids_by_page):
 def check_search(page, problems, url):
     problems.clear()
     open_page(page, url)
-    page.wait_for_selector('#search-results li', timeout=60_000)
+    page.wait_for_selector('#search-results li', timeout=PATIENCE_MS)
     found = {page_name(href) for href in page.eval_on_selector_all('#search-results li a', 'as => as.map(a => a.href)')}
     faults = [f"search: {problem}" for problem in problems]
     if not {'api.html', '01_optimizer.html'} <= found: faults.append(f"search for average_grad found only {found}")
     return f"search for average_grad: results on {sorted(found)}", faults
 
 
+@pytest.mark.site
+@pytest.mark.browser
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_site(site, browser_page):
     page, problems = browser_page
     stems = notebook_pages()

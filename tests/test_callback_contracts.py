@@ -7,9 +7,9 @@ back, and what it does when two processes train together. One battery runs over 
 1. an observer leaves a fit bit for bit as it was without it: weights, BatchNorm buffers, the optimizer's state,
    torch's, numpy's and Python's random states and the training loader's generator, on a model with BatchNorm and on
    one without;
-2. a fit interrupted by a KeyboardInterrupt (in the middle of an epoch, and resumed from the end of the epoch before)
-   and resumed with `fit(n, resume=path)` equals the uninterrupted fit: weights, optimizer state, the Recorder's
-   history and the callback's own state;
+2. a fit interrupted by a Ctrl-C from a callback, with a Checkpoint, and resumed with `fit(n, resume=path)` (where it
+   stopped, in the middle of an epoch, or from the end of the epoch before) equals the uninterrupted fit: weights,
+   BatchNorm buffers, optimizer state, the Recorder's history and the callback's own state (`state` below);
 3. under two processes (gloo, forked) the fit works, both ranks ending with the same weights, those of one process
    with the global batch (an observer: also those of the same fit without it), or it is refused before it starts,
    with a message, in both.
@@ -136,7 +136,7 @@ CALLBACKS = {
     'TrainEvalCallback': Described(why="every learner has one: every fit of the suite runs it"),
     'DeviceCallback': Described(lambda folder: DeviceCallback(), observes=True),
     'GatherPreds': Described(lambda folder: GatherPreds(), observes=True),
-    'EventLog': Described(lambda folder: EventLog(), observes=True),
+    'EventLog': Described(lambda folder: EventLog(), observes=True),  # the events of its own fit call
     'Recorder': Described(lambda folder: Recorder(), observes=True, state=lambda cb: recorder_history(cb.learn)),
     'ProgressCallback': Described(lambda folder: ProgressCallback(), observes=True),
     'MixedPrecision': Described(lambda folder: MixedPrecision(torch.float16), state=mixed_precision_state,
@@ -145,6 +145,7 @@ CALLBACKS = {
     # its own size, and two processes' sums of it, in another order than one process's, would part by 1e-9
     'BatchNormAtAverage': Described(lambda folder: BatchNormAtAverage(n_batches=2), observes='without BatchNorm',
                                     opt_func=ScheduleFreeSGD),
+    # two batches of 8 a step: the resume battery's Ctrl-C in the middle of an epoch comes between two steps
     'GradientAccumulation': Described(lambda folder: GradientAccumulation(16), state=tracked),
     'ParamScheduler': Described(lambda folder: ParamScheduler({'lr': partial(annealing_cos, 0.05, 0.005)}),
                                 state=lambda cb: cb.hps),
@@ -178,9 +179,10 @@ CALLBACKS = {
     'DataParallel': Described(why="`learn.distributed()` makes it: the two-process battery runs it with every "
                                   "callback (alone it refuses the fit, see test_distributed)"),
     # a NaN in rank 0's batch at step 8, after the resume battery's interruptions: NaNCapture stops the fit there
-    'PoisonBatch': Described(lambda folder: PoisonBatch(rank=0, at=8), companions=lambda folder: [NaNCapture(folder / 'nan-capture.pt')]),
-    'StepTimer': Described(lambda folder: StepTimer(), observes=True),
-    'SteeringCallback': Described(lambda folder: SteeringCallback(), observes=True),
+    'PoisonBatch': Described(lambda folder: PoisonBatch(rank=0, at=8),
+                             companions=lambda folder: [NaNCapture(folder / 'nan-capture.pt')]),
+    'StepTimer': Described(lambda folder: StepTimer(), observes=True),  # the wall time of its own fit call
+    'SteeringCallback': Described(lambda folder: SteeringCallback(), observes=True),  # requests belong to their call
     'TrainingDashboard': Described(lambda folder: TrainingDashboard(live=False), observes=True, state=dashboard_curves,
                                    known={'resumes': "TrainingDashboard (11) has no state_dict: a resumed fit's curves "
                                                      "start again at step 0 with the batches after the interruption"}),
@@ -226,16 +228,16 @@ def described_callback(learn, name):
     return next(cb for cb in learn.cbs if type(cb).__name__ == name)
 
 
-def named(names, battery):
-    "pytest parameters for `names`, each marked xfail(strict) where its description knows a defect in `battery`."
-    return [pytest.param(name, id=name, marks=[pytest.mark.xfail(strict=True, reason=CALLBACKS[name].known[battery])]
-                         if battery in CALLBACKS[name].known else []) for name in names]
+def case(name, battery, *values, id=None):
+    "The pytest parameter of `name` (and `values`) in `battery`, xfail(strict) where its description knows a defect there."
+    known = CALLBACKS[name].known.get(battery)
+    return pytest.param(name, *values, id=id or name, marks=[pytest.mark.xfail(strict=True, reason=known)] if known else [])
 
 
 # ---- every exported callback is described
 
 def exported_callbacks():
-    "{class name: module} of the Callback subclasses in the `__all__` of teachloop's modules, `teachloop.designs` apart."
+    "`{class name: module}` of the Callback subclasses in teachloop's modules' `__all__`, and those of `teachloop.designs`."
     found, designs = {}, {}
     for module in pkgutil.walk_packages(teachloop.__path__, 'teachloop.'):
         loaded = importlib.import_module(module.name)
@@ -285,9 +287,7 @@ def assert_same_outcome(with_it, without):
         assert same_state(with_it['rng'][generator], without['rng'][generator]), f"{generator}'s random state moved"
 
 
-OBSERVERS = [pytest.param(name, batch_norm, id=f"{name}-{'batchnorm' if batch_norm else 'no-batchnorm'}",
-                          marks=[pytest.mark.xfail(strict=True, reason=CALLBACKS[name].known['observes'])]
-                          if 'observes' in CALLBACKS[name].known else [])
+OBSERVERS = [case(name, 'observes', batch_norm, id=f"{name}-{'batchnorm' if batch_norm else 'no-batchnorm'}")
              for name in sorted(CALLBACKS) for batch_norm in (False, True)
              if CALLBACKS[name].observes is True or (CALLBACKS[name].observes and not batch_norm)]
 
@@ -330,10 +330,7 @@ def outcome_with_state(learn, name):
 # With 4 training steps an epoch: a Ctrl-C in the 5th step (the first batch of the second epoch), which stops the fit
 # once that batch is whole, resumed where it stopped; one in the 6th step, resumed from the end of the first epoch.
 ROUTES = {'mid-epoch': (5, 'interrupted.pt'), 'from the end of an epoch': (6, 'epoch-001.pt')}
-RESUMABLE = [pytest.param(name, route, id=f'{name}-{route}',
-                          marks=[pytest.mark.xfail(strict=True, reason=CALLBACKS[name].known['resumes'])]
-                          if 'resumes' in CALLBACKS[name].known else [])
-             for name in sorted(CALLBACKS) for route in ROUTES
+RESUMABLE = [case(name, 'resumes', route, id=f'{name}-{route}') for name in sorted(CALLBACKS) for route in ROUTES
              if CALLBACKS[name].make is not None and CALLBACKS[name].resumes is True]
 
 
@@ -404,17 +401,18 @@ def fits_in_each_rank(folder):
     results = {}
     for name in two_process_names():
         results[name] = distributed_fit(name, folder / name, True)
-        if CALLBACKS[name].observes is True: results[name]['without'] = distributed_fit(name, folder / name / 'without', False)
+        if CALLBACKS[name].observes is True:
+            results[name]['without'] = distributed_fit(name, folder / name / 'without', with_it=False)
     return results
 
 
 @pytest.fixture(scope='module')
 def two_ranks(tmp_path_factory):
-    return run_ranks(fits_in_each_rank, tmp_path_factory.mktemp('ranks'), world_size=2, start_method='fork', timeout=150)
+    return run_ranks(fits_in_each_rank, tmp_path_factory.mktemp('ranks'), world_size=2, start_method='fork',
+                     timeout=150)
 
 
-TWO_PROCESSES = [pytest.param(name, id=name, marks=[pytest.mark.xfail(strict=True, reason=CALLBACKS[name].known['two processes'])]
-                              if 'two processes' in CALLBACKS[name].known else []) for name in two_process_names()]
+TWO_PROCESSES = [case(name, 'two processes') for name in two_process_names()]
 
 
 @pytest.mark.numeric

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from teachloop.callbacks import (BatchNormAtAverage, GradientAccumulation, MixedPrecision, Recorder, hypers_read,
+from teachloop.callbacks import (BatchNormAtAverage, DeviceCallback, GradientAccumulation, MixedPrecision, Recorder, hypers_read,
                                  smooth_values, smoothing_window)
 from teachloop.checkpoint import Checkpoint, read_checkpoint
 from teachloop.data import DataLoaders
@@ -287,3 +287,16 @@ def test_accumulation_refuses_a_fit_it_cannot_do_before_anything_changes(case):
     before = copy.deepcopy(learn.model.state_dict())
     with pytest.raises(ValueError, match='sync_free' if extra else 'len'): learn.fit(1, cbs=extra)
     assert learn.opt is None and all(torch.equal(v, before[k]) for k, v in learn.model.state_dict().items())
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_mixed_precision_waits_for_its_checks_while_gradients_accumulate():
+    "A batch's gradients are kept only once they are known to be finite: the default then waits, as sync_free=False does."
+    def fit(sync_free):
+        learn = shuffled_learner(DeviceCallback('cuda'), GradientAccumulation(12), InfAt(1),
+                                 MixedPrecision(torch.float16, sync_free=sync_free), **ACCUMULATED)
+        learn.fit(2)
+        return learn
+    default, waiting = fit(None), fit(False)
+    assert default.mixed_precision._deferred is False and default.mixed_precision.skipped == 1
+    assert all(map(torch.equal, default.model.parameters(), waiting.model.parameters()))

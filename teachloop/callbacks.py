@@ -109,7 +109,7 @@ def _cpu_tensor(tensors): return torch.cat([t.detach().cpu().reshape(-1) for t i
 
 class Recorder(Callback):
     "Record batch losses, hyper-parameters and per-epoch losses and metrics, reading values once per epoch."
-    order = 50
+    order, observes = 50, True
     def __init__(self, beta=0.98):
         self.beta = beta
         self.sum_over_processes = None  # a function summing a tensor over the processes that train together, if several do
@@ -262,7 +262,7 @@ def format_row(row, widths):
 
 class ProgressCallback(Callback):
     "A tqdm bar for each training and validation phase, and a table row per epoch."
-    order = 60
+    order, observes = 60, True
     def __init__(self, show_bar=True, print_rows=True):
         self.show_bar, self.print_rows, self.bar = show_bar, print_rows, None
 

@@ -20,6 +20,7 @@ from .core import (atomic_save, check_count, check_mode, check_save_folder, chec
                             written_by_rank_zero)
 from .learner import (Callback, CancelFitException, Learner, check_state_matches, optimizer_with_state,
                                restore_training_state)
+from .nan_capture import running_stat_layers
 from .random_state import loader_generators, rng_readers, rng_states, saveable_rng, set_rng_states
 from .schedule import ParamScheduler
 
@@ -154,8 +155,10 @@ def checkpoint_state(learn,
     "Everything needed to continue `learn`'s fit exactly: weights, optimizer, callbacks, history, random states, progress."
     if learn.opt is None: learn.create_opt()
     rows = epoch_rows(learn) if _has_recorder(learn) else None
+    stateful = _stateful_callbacks(learn)
     return {'format': FORMAT, 'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(),
-            'callbacks': {cb.name: cb.state_dict() for cb in _stateful_callbacks(learn)},
+            'callbacks': {cb.name: cb.state_dict() for cb in stateful},
+            'observers': [cb.name for cb in stateful if cb.observes],  # their states: a resumed fit may leave them out
             'recorder': learn.recorder.state_dict(rows) if rows is not None else None,
             'rng': saveable_rng(next(r for r in (rng, _rng_at_batch_start(learn), rng_states()) if r is not None)),
             'loaders': {name: [g.get_state() for g in loader_generators(getattr(learn.dls, name))]
@@ -184,8 +187,8 @@ def read_checkpoint(path):
     return state
 
 def _check_callbacks_present(state, cbs):
-    "Raise `ValueError` if `state` holds the state of a callback that is not among `cbs`."
-    missing = sorted(set(state['callbacks']) - {cb.name for cb in cbs})
+    "Raise `ValueError` if `state` holds the state of a callback that is not among `cbs` (an observer's may be left out)."
+    missing = sorted(set(state['callbacks']) - {cb.name for cb in cbs} - set(state.get('observers', ())))
     if missing: raise ValueError(f"the checkpoint holds the state of callbacks {missing}, which this fit lacks; "
                                  "resume with the same callbacks as the interrupted fit")
 
@@ -298,7 +301,7 @@ def replace_with_link(source, target):
 
 class Checkpoint(Callback):
     "Write a checkpoint every `every_n_epochs` epochs into `folder`, with `latest.pt` the newest; keep the last `keep` it wrote."
-    order = 70
+    order, observes = 70, True
     def __init__(self,
                  folder,  # where `epoch-NNN.pt` and `latest.pt` go
                  every_n_epochs=1,  # write after every this many epochs
@@ -310,21 +313,28 @@ class Checkpoint(Callback):
         self.every_n_epochs, self.keep = every_n_epochs, keep
         self.epoch_start, self._in_step, self._ended, self._written = None, False, False, []
         self._read_rng, self.batch_boundary = rng_readers(host=False), None
+        self._in_batch, self._stats, self._stats_at_start = False, [], []
 
     @property
     def latest(self): return self.folder / 'latest.pt'
 
     def before_fit(self):
         self.folder = check_save_folder(self.folder, 'Checkpoint folder')  # again: it may have changed since
-        self._in_step, self._ended, self.batch_boundary = False, False, None
+        self._in_step, self._ended, self.batch_boundary, self._in_batch = False, False, None, False
+        self._stats = [b for _, m in running_stat_layers(self.model) for b in m.buffers(recurse=False)]
+        self._stats_at_start = [b.clone() for b in self._stats]
     def before_train(self):
         rng = self._random_states()
         self.epoch_start = {'epoch': self.epoch, 'train': [g.get_state() for g in loader_generators(self.dls.train)],
                             'rng': rng}
         self.batch_boundary = (self.train_iter, rng)
+    def before_batch(self):
+        if not self.learn.training: return
+        self._in_batch = True
+        if self._stats: torch._foreach_copy_(self._stats_at_start, self._stats)  # its forward will update them
     def before_step(self): self._in_step = True
     def after_batch(self):
-        self._in_step = False
+        self._in_step = self._in_batch = False
         if self.learn.training: self.batch_boundary = (self.learn.train_iter, self._random_states())
     def after_fit(self): self._ended = True
 
@@ -336,6 +346,9 @@ class Checkpoint(Callback):
         # states to resume from are those of the end of the last whole batch (or of the epoch's start).
         at_boundary = self.batch_boundary is not None and self.batch_boundary[0] == self.train_iter
         rng = self.batch_boundary[1] if at_boundary else None  # the learner has left its training phase by now
+        # ... and its forward updated BatchNorm's running statistics: the model goes back to the batch's start
+        if self._in_batch and self._stats:
+            with torch.no_grad(): torch._foreach_copy_(self._stats, self._stats_at_start)
         if process_rank() != 0: return
         path = self.learn.save_checkpoint(self.folder / 'interrupted.pt', rng)
         call, condition = resume_call(self.n_epoch, path, [s.fit_call for s in fit_schedules(self.learn)])
@@ -347,18 +360,32 @@ class Checkpoint(Callback):
         written_by_rank_zero(partial(self._write_epoch, done), f"the checkpoint of epoch {done}")
 
     def _write_epoch(self, done):
-        path = self.learn.save_checkpoint(self.folder / f'epoch-{done:03d}.pt')
+        path = self.folder / f'epoch-{done:03d}.pt'
+        # Only files this callback wrote are ever removed: other files in the folder (an earlier fit's) stay. The
+        # file keeps the list as it is once the file is written, so that a fit resumed from it removes the same ones.
+        written = [p for p in self._written if p != path] + [path]
+        cut = max(len(written) - self.keep, 0) if self.keep is not None else 0
+        before, self._written = self._written, written[cut:]
+        try: self.learn.save_checkpoint(path)
+        except BaseException:
+            self._written = before
+            raise
         replace_with_link(path, self.latest)
-        # Only files this callback wrote are ever removed: other files in the folder (an earlier fit's) stay.
-        self._written = [p for p in self._written if p != path] + [path]
-        if self.keep is not None:
-            for old in self._written[:-self.keep]: old.unlink(missing_ok=True)
-            self._written = self._written[-self.keep:]
+        for old in written[:cut]: old.unlink(missing_ok=True)
+
+    def state_dict(self):
+        "The epoch files this callback wrote and keeps (those `keep` will remove), by name in its folder."
+        return {'folder': str(self.folder.resolve()), 'written': [p.name for p in self._written]}
+
+    def load_state_dict(self, state):
+        # files in another folder than this callback's are not its own: it leaves them alone
+        if state['folder'] == str(self.folder.resolve()): self._written = [self.folder / n for n in state['written']]
+
 
 # %% ../nbs/13_checkpoint.ipynb #c028
 class TrackerCallback(Callback):
     "Follow the recorded value `monitor` at each epoch's end: `best` so far, `improved`, `wait` epochs since."
-    order = 55
+    order, observes = 55, True
     def __init__(self,
                  monitor,  # a name from `learn.recorder.metric_names`: 'valid_loss', 'train_loss', a metric
                  mode,  # 'min' if lower is better, 'max' if higher is better
@@ -410,6 +437,7 @@ class SaveModel(TrackerCallback):
 
 class EarlyStopping(TrackerCallback):
     "Stop the fit after `patience` epochs without improvement of `monitor`; optionally end with the best weights."
+    observes = False
     def __init__(self, monitor, mode, patience=1, min_delta=0., restore_best=True):
         super().__init__(monitor, mode, min_delta)
         check_count('patience', patience)
@@ -437,6 +465,7 @@ class EarlyStopping(TrackerCallback):
 
 class ReduceLROnPlateau(TrackerCallback):
     "Multiply the learning rates by `factor` after `patience` epochs without improvement of `monitor`."
+    observes = False
     def __init__(self, monitor, mode, patience=1, factor=0.1, min_delta=0., min_lr=0.):
         super().__init__(monitor, mode, min_delta)
         if not 0 < factor < 1: raise ValueError(f"factor must be between 0 and 1, got {factor!r}")

@@ -296,3 +296,35 @@ def _show_final(self:TrainingDashboard):
         from IPython.display import Image, display
         display(Image(plot.png()))
 
+
+# %% ../nbs/11_dashboard.ipynb #c054
+def _as_tensors(series):
+    "`{key: (x, y)}` of plot lines, as tensors a checkpoint can keep."
+    return {key: (torch.from_numpy(s.x.copy()), torch.from_numpy(s.y.copy())) for key, s in series.items()}
+
+def _into_series(saved, series, max_points):
+    "Put saved `{key: (x, y)}` lines into `series` (new `BoundedSeries` for keys it lacks)."
+    for key, (x, y) in saved.items():
+        series.setdefault(key, BoundedSeries(max_points)).extend(x.numpy(), y.numpy())
+
+@patch
+def state_dict(self:TrainingDashboard) -> dict:
+    "What the dashboard has drawn so far, so that a resumed fit draws on from it instead of from step 0."
+    if not hasattr(self, '_losses'): return {}  # no fit yet
+    self._drain()
+    hypers = {f'{name}/{group}': s for (name, group), s in self.hyper_series.items()}
+    return {'series': _as_tensors(self.series), 'hypers': _as_tensors(hypers), 'ratios': _as_tensors(self.ratio_series),
+            'effective_lr': {name: torch.tensor(np.asarray(rows, dtype=float)) for name, rows in self.elr_history.items()},
+            'smoother': (self._smoother.average, self._smoother.count), 'first_step': self._first_step,
+            'epoch_ends': list(self.epoch_ends)}
+
+@patch
+def load_state_dict(self:TrainingDashboard, state):
+    if not state: return
+    _into_series(state['series'], self.series, self.max_points)
+    hypers = {f'{name}/{group}': s for (name, group), s in self.hyper_series.items()}
+    _into_series({k: v for k, v in state['hypers'].items() if k in hypers}, hypers, self.max_points)
+    _into_series(state['ratios'], self.ratio_series, self.max_points)
+    self.elr_history = {name: [tuple(row) for row in rows.tolist()] for name, rows in state['effective_lr'].items()}
+    self._smoother.average, self._smoother.count = state['smoother']
+    self._first_step, self.epoch_ends = state['first_step'], list(state['epoch_ends'])

@@ -10,6 +10,7 @@ import atexit
 import sys
 import threading
 import time
+import warnings
 import weakref
 
 import torch
@@ -79,7 +80,7 @@ class FitControls:
 # %% ../nbs/11a_dashboard_controls.ipynb #c008
 class SteeringCallback(Callback):
     "Apply the requests of `controls` between batches: pause, stop, and held hyper-parameter values."
-    order = 70
+    order, observes = 70, True  # it changes the fit only when someone asks it to, through its controls
     def __init__(self,
                  controls:FitControls=None,  # the requests to apply; None: new ones
                  keep_steered:bool=False,  # leave the requested values in the optimizer after the fit
@@ -100,7 +101,10 @@ class SteeringCallback(Callback):
     def before_batch(self):
         controls = self.controls
         if controls.paused: self._wait_while_paused()
-        if controls.stop_requested: raise CancelFitException()
+        if controls.stop_requested:
+            agreement = self.learn.stop_agreement
+            if agreement is None: raise CancelFitException()
+            agreement()  # several processes train together: all of them stop, before the same batch
         if not self.learn.training: return
         if controls.version != self._version: self._take_requests()
         for name, value in self._held.items(): self._apply(name, value)
@@ -126,6 +130,11 @@ class SteeringCallback(Callback):
 
     def _take_requests(self):
         hypers, self._version = self.controls.requested_hypers()
+        if hypers and self.learn.stop_agreement is not None:  # several processes: only this one would change
+            warnings.warn(f"hyper-parameter requests {hypers} are not applied: several processes train together and "
+                          "only this one would train with them. Set them for every process: `fit(..., lr=...)`")
+            self.controls.clear_requests()
+            hypers, self._version = self.controls.requested_hypers()
         for name, value in hypers.items():
             if self._held.get(name) != value: self.changes.append((self.train_iter, name, value))
         self._held = hypers

@@ -29,7 +29,7 @@ from .callbacks import Recorder, accuracy
 from .core import check_count, process_rank, several_processes
 from .data import DataLoaders, digits_cnn, load_digits_tensors, tensor_dls
 from .faults import TerminateOnNaN
-from .learner import Callback, Learner
+from .learner import Callback, CancelFitException, Learner
 from .nan_capture import NaNCapture
 from .optimizer import SGD
 from .random_state import set_seed
@@ -238,6 +238,7 @@ class DataParallel(Callback):
         # losses a message carries, the message for the gradients' hook, what came back (the hook's), the Ctrl-C flag on
         # its way through the host's group (nccl)
         self._losses, self._counted, self._here = [], None, False
+        self._stop_here, self._stop_agreed = False, False  # a stop request (a dashboard's button) in this rank, in all
         self._sent, self._outgoing, self._incoming, self._flag = [], None, None, None
 
     def check_fit(self):
@@ -264,6 +265,7 @@ class DataParallel(Callback):
             if self.world_size > 1: self._ddp.register_comm_hook(self, _carry_messages)
         self.learn.training_module, self._ddp_clean = self._ddp, False
         self.learn.interrupts.defer = self._defer_interrupt  # a Ctrl-C noted after this callback's `after_batch`
+        if self.world_size > 1: self.learn.stop_agreement = self._request_stop  # a stop request reaches every rank too
         self._set_hooks(any_process=partial(any_process, group=self._host_group))
 
     def before_validate(self):
@@ -271,6 +273,8 @@ class DataParallel(Callback):
         self._join()
 
     def before_train(self): self.learn.dls.train.sampler.set_epoch(self.learn.epoch)
+    def before_batch(self):
+        if self._stop_agreed: raise CancelFitException()  # in every rank, before the same batch
 
     def before_backward(self):
         learn = self.learn  # read directly: this runs every batch
@@ -301,6 +305,7 @@ class DataParallel(Callback):
     def cleanup_fit(self):
         self._set_hooks(sum_over_processes=None, any_process=None)
         self.learn.training_module, self.learn.interrupts.defer, self._joined = None, None, False
+        self.learn.stop_agreement = None
         self._reset_messages()  # a fit ended by an error may leave a message the other ranks will never answer
 
     def restore_shown(self):
@@ -351,12 +356,17 @@ def _defer_interrupt(self:DataParallel, pending):
     return True
 
 @patch
+def _request_stop(self:DataParallel):
+    "The learner's `stop_agreement`: a stop requested in this rank goes with the next message, and every rank stops."
+    self._stop_here = True
+
+@patch
 def _send(self:DataParallel):
     "Hand this step's gradients the losses since the last message and whether a Ctrl-C came (nccl: the flag goes by the host)."
     self._sent, self._losses = self._losses, []
     losses = torch.stack(self._sent) if self._sent else torch.zeros(0)  # none: the Ctrl-C flag alone
-    flag = torch.tensor([float(self._here)])
-    self._here = False
+    flag = torch.tensor([float(self._here), float(self._stop_here)])  # a Ctrl-C, a stop request
+    self._here = self._stop_here = False
     if self._host_group is None: self._outgoing = torch.cat([losses, flag.to(losses)])  # gloo: one message carries both
     else:  # the losses stay on their GPU (no wait for them), the flag is a host value
         self._outgoing, self._flag = losses, (flag, dist.all_reduce(flag, group=self._host_group, async_op=True))
@@ -368,13 +378,15 @@ def _receive(self:DataParallel):
     if incoming is None:  # no backward carried the message (its step ended before, in every rank): on its own, now
         incoming, self._outgoing = self._outgoing.div_(self.world_size), None
         if len(incoming): dist.all_reduce(incoming)  # (nccl with the flag alone: nothing for the GPUs to sum)
-    if self._flag is None: losses, flag = incoming[:-1], incoming[-1]
+    if self._flag is None: losses, flag = incoming[:-2], incoming[-2:]
     else:
         (flag, work), losses, self._flag = self._flag, incoming, None
         work.wait()
     for kept, mean in zip(self._sent, losses.unbind()): kept.copy_(mean)  # the tensors the Recorder holds
     self._sent = []
-    return bool(flag > 0)
+    interrupted, stop = (bool(f > 0) for f in flag.tolist())
+    self._stop_agreed = self._stop_agreed or stop  # the next batch is cancelled, then the fit, in every rank
+    return interrupted
 
 @patch
 def _flush(self:DataParallel):

@@ -157,7 +157,7 @@ class UpdateRatio:
 # %% ../nbs/10_effective_lr.ipynb #c020
 class EffectiveLRTracker(Callback):
     "Every `every` training steps, record per-layer effective-lr quantiles and the step's update ratio."
-    run_valid = False
+    run_valid, observes = False, True
     def __init__(self, every=5, quantiles=(0.05, 0.5, 0.95)):
         self.every, self.quantiles, self.history = every, quantiles, []
 

@@ -64,7 +64,7 @@ def layer_module(label):
 
 class LayerStats(Callback):
     "Histograms and summaries of each activation layer's output and gradient, and of the weights' gradients, at ticks."
-    order, run_valid = 60, False
+    order, run_valid, observes = 60, False, True
     def __init__(self,
                  every=100,  # training batches between two ticks (the first batch is one)
                  modules=None,  # names of the modules to watch; None: every tanh, sigmoid and ReLU-like layer
@@ -145,6 +145,9 @@ class LayerStats(Callback):
         self._hooks = []
 
     def after_cancel_batch(self): self._remove_hooks(); self._outputs = {}
+    # the ticks are kept in a checkpoint: a resumed fit goes on with those taken before the interruption
+    def state_dict(self): return {'ticks': list(self.ticks)}
+    def load_state_dict(self, state): self.ticks = deque(state['ticks'], maxlen=self.ticks.maxlen)
     def after_fit(self): self._remove_hooks()
     def cleanup_fit(self): self._remove_hooks()
 

@@ -94,6 +94,7 @@ def check_event_names(cb):
 class Callback:
     "Base class of Learner callbacks: implement events as methods; read the learner's state as `self.<name>`."
     order, run_train, run_valid = 0, True, True
+    observes = False  # True: it only watches the fit (see above)
     learn = None
 
     @property
@@ -200,6 +201,7 @@ class Learner:
         self.keep_grads = False  # set by a callback during a training batch: its gradients stay in `.grad` at its end
         self.training_module = None  # what training batches call instead of `model`: a wrapper of it (data-parallel training)
         self.cbs, self._event_tables, self.interrupts = [], ({}, {}), InterruptGate()
+        self.stop_agreement = None  # how a request to stop reaches every process training together (notebook 15)
         self._events = {}
         self.add_cbs([make() for make in DEFAULT_CALLBACKS] if default_cbs else [TrainEvalCallback()])
         self.add_cbs(cbs or [])
@@ -570,7 +572,7 @@ def _cleanup(self:Learner):
 # %% ../nbs/04_learner.ipynb #c027
 class GatherPreds(Callback):
     "Collect predictions and targets of the validation batches."
-    run_train = False
+    run_train, observes = False, True
     def before_validate(self): self.preds, self.targets = [], []
     def after_batch(self):
         self.preds.append(self.pred.detach())
@@ -660,6 +662,7 @@ def load(self:Learner, path, with_opt=True):
 # %% ../nbs/04_learner.ipynb #c030
 class EventLog(Callback):
     "Record the name of every event, in order, in `self.events`."
+    observes = True
     def __init__(self, events=EVENTS):
         self.events = []
         for event in events: setattr(self, event, self._recorder(event))

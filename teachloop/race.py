@@ -54,6 +54,7 @@ def racers(n_steps):
 # %% ../nbs/07b_optimizer_race.ipynb #c006
 class StepTimer(Callback):
     "Measure the wall time of the training phases, validation left out."
+    observes = True
     def before_fit(self): self.seconds, self.steps = 0., 0
     def before_train(self): self.start = time.perf_counter()
     def after_train(self):

@@ -68,7 +68,7 @@ def _momentum_of(opt):
 
 class Sharpness(Callback):
     "Estimate the top Hessian eigenvalue of the loss on a fixed batch every `every` steps, and its stability line."
-    order, run_valid = 60, False
+    order, run_valid, observes = 60, False, True
     def __init__(self,
                  every=50,  # training steps between two estimates
                  n_iter=20,  # power iterations per estimate (each one Hessian-vector product)

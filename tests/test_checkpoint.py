@@ -581,3 +581,64 @@ def test_a_learner_with_a_scheduler_of_its_own_can_be_saved_before_any_fit(tmp_p
     learn = digits_learner(ParamScheduler(one_cycle_scheds(1e-2)))
     learn.save_checkpoint(tmp_path / 'fresh.pt')  # no fit yet, so no length to evaluate the schedule over
     assert read_checkpoint(tmp_path / 'fresh.pt')['schedules'] is None
+
+
+def test_a_resume_may_leave_out_an_observer_with_a_state_but_not_a_callback_that_changes_the_fit(tmp_path):
+    "An observer's saved state (Checkpoint's files, a tracker's best value) is not needed to go on; EarlyStopping's is."
+    straight = digits_learner()
+    straight.fit(3)
+    watched = digits_learner()
+    watched.fit(3, cbs=[Checkpoint(tmp_path / 'watched'), TrackerCallback('valid_loss', 'min'), StopAfterEpoch(0)])
+    state = read_checkpoint(tmp_path / 'watched' / 'latest.pt')
+    assert {'checkpoint', 'tracker'} <= set(state['callbacks']) and set(state['observers']) == {'checkpoint', 'tracker'}
+    resumed = digits_learner()
+    resumed.fit(3, resume=tmp_path / 'watched' / 'latest.pt')  # neither of them: the same fit
+    assert weights_equal(resumed, straight)
+
+    stopping = digits_learner()
+    stopping.fit(3, cbs=[Checkpoint(tmp_path / 'stopping'), EarlyStopping('valid_loss', 'min', patience=5),
+                         StopAfterEpoch(0)])
+    refused = digits_learner()
+    before = {k: v.clone() for k, v in refused.model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"holds the state of callbacks \['early_stopping'\], which this fit lacks"):
+        refused.fit(3, resume=tmp_path / 'stopping' / 'latest.pt')
+    assert all(torch.equal(v, refused.model.state_dict()[k]) for k, v in before.items()) and refused.opt is None
+
+
+def test_a_resumed_checkpoint_callback_removes_the_files_its_interrupted_fit_wrote(tmp_path):
+    "With keep=2, the resumed fit removes epoch 1's and 2's files, written before the Ctrl-C, as epochs 3 and 4 come."
+    stopped = digits_learner()
+    with pytest.raises(KeyboardInterrupt): stopped.fit(4, cbs=[Checkpoint(tmp_path, keep=2), CtrlCAt(2, 3)])
+    assert sorted(p.name for p in tmp_path.glob('epoch-*.pt')) == ['epoch-001.pt', 'epoch-002.pt']
+    resumed = digits_learner()
+    resumed.fit(4, cbs=[Checkpoint(tmp_path, keep=2)], resume=tmp_path / 'interrupted.pt')
+    assert sorted(p.name for p in tmp_path.glob('epoch-*.pt')) == ['epoch-003.pt', 'epoch-004.pt']
+    # in another folder the files are not its own: it leaves them where they are
+    (tmp_path / 'other').mkdir()
+    other = digits_learner()
+    other.fit(4, cbs=[Checkpoint(tmp_path / 'other', keep=1)], resume=tmp_path / 'epoch-003.pt')
+    assert sorted(p.name for p in tmp_path.glob('epoch-*.pt')) == ['epoch-003.pt', 'epoch-004.pt']
+    assert sorted(p.name for p in (tmp_path / 'other').glob('epoch-*.pt')) == ['epoch-004.pt']
+
+
+class FailAfterForward(Callback):
+    "An error in training step `at` (counted from 0), after its forward has updated BatchNorm's statistics."
+    def __init__(self, at): self.at = at
+    def after_loss(self):
+        if self.training and self.train_iter == self.at: raise RuntimeError('out of memory (played)')
+
+
+def bn_cnn():
+    return nn.Sequential(nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, 10))
+
+
+def test_an_error_inside_a_batch_leaves_the_learner_and_its_file_at_the_batchs_start(tmp_path):
+    "Weights and BatchNorm statistics as a fit stopped just before that batch left them, in the learner and the file."
+    before = digits_learner(model_fn=bn_cnn)
+    with pytest.raises(KeyboardInterrupt): before.fit(2, cbs=[CtrlCAt(0, 5)])  # held until step 4 is whole
+    failed = digits_learner(model_fn=bn_cnn)
+    with pytest.raises(RuntimeError, match='played'): failed.fit(2, cbs=[Checkpoint(tmp_path), FailAfterForward(5)])
+    assert weights_equal(failed, before)
+    saved = read_checkpoint(tmp_path / 'interrupted.pt')['model']
+    assert all(torch.equal(saved[k], v) for k, v in before.model.state_dict().items())

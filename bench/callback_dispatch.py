@@ -15,7 +15,7 @@ import teachloop.all  # noqa: F401  (every module: the default callbacks, the fa
 from teachloop.designs.callback_designs import AllEventsCallback, CallEveryCallback, dispatch_cost, one_event_callbacks
 from teachloop.data import regression_dls
 from teachloop.learner import Callback, Learner
-from teachloop.optimizer import SGD
+from teachloop.optim.core import SGD
 
 COUNTS = (0, 5, 20)
 

@@ -39,11 +39,11 @@ import torch
 from torch.nn import functional as F
 
 import teachloop.all  # noqa: F401  (every module: the default callbacks, the fast optimizer steps)
-from teachloop.dashboard import TrainingDashboard
+from teachloop.dashboard.live import TrainingDashboard
 from teachloop.data import digits_cnn, digits_dls
-from teachloop.layer_stats import LayerStats
+from teachloop.diagnostics.layer_stats import LayerStats
 from teachloop.learner import Learner
-from teachloop.sharpness import Sharpness
+from teachloop.diagnostics.sharpness import Sharpness
 
 
 HANDLERS = ('before_fit', 'before_batch', 'before_step', 'after_step', 'after_batch', 'after_train', 'after_validate',

@@ -19,9 +19,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from teachloop.data import digits_cnn, load_digits_tensors, tensor_dls
-from teachloop.distributed import ShardSampler, run_ranks
+from teachloop.callback.distributed import ShardSampler, run_ranks
 from teachloop.learner import Learner
-from teachloop.optimizer import SGD
+from teachloop.optim.core import SGD
 from teachloop.random_state import set_seed
 
 

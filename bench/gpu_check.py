@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import teachloop.all  # noqa: E402,F401  (every module: the default callbacks, the fast optimizer steps)
-from teachloop.callbacks import MixedPrecision, accuracy  # noqa: E402
+from teachloop.callback.core import MixedPrecision, accuracy  # noqa: E402
 from teachloop.data import digits_cnn, digits_dls  # noqa: E402
 from teachloop.learner import Callback, Learner  # noqa: E402
 
@@ -111,7 +111,7 @@ def unguarded(method):
 
 
 def check_dashboard_background():
-    from teachloop.dashboard import TrainingDashboard, fit_background
+    from teachloop.dashboard.live import TrainingDashboard, fit_background
     class TickUnguarded(TrainingDashboard):
         tick = unguarded(TrainingDashboard.tick)
     learn = digits_learner(cbs=[Quiet()])
@@ -130,7 +130,7 @@ class NaNGradientAt(Callback):
 
 
 def check_nan_capture_sync_free():
-    from teachloop.nan_capture import NaNCapture, load_capture
+    from teachloop.callback.nan_capture import NaNCapture, load_capture
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / 'nan.pt'
         # steps whose check finds nothing never wait; the capture itself reads the gradients and writes a file

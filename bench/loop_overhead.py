@@ -17,10 +17,10 @@ import torch
 from torch.nn import functional as F
 
 import teachloop.all  # noqa: F401  (every module: the default callbacks, the fast optimizer steps)
-from teachloop.callbacks import accuracy
+from teachloop.callback.core import accuracy
 from teachloop.data import digits_cnn, digits_dls
 from teachloop.learner import Learner
-from teachloop.optimizer import SGD
+from teachloop.optim.core import SGD
 
 
 def sync(device):

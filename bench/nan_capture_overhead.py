@@ -33,8 +33,8 @@ from torch.nn import functional as F
 import teachloop.all  # noqa: F401  (every module: the default callbacks, the fast optimizer steps)
 from teachloop.data import digits_cnn, digits_dls
 from teachloop.learner import Callback, Learner
-from teachloop.nan_capture import NaNCapture
-from teachloop.optimizer import SGD
+from teachloop.callback.nan_capture import NaNCapture
+from teachloop.optim.core import SGD
 
 
 class StepStart(Callback):

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from teachloop.data import digits_dls
-from teachloop.race import race_table, racers, run_race
+from teachloop.lessons.race import race_table, racers, run_race
 
 
 def main():

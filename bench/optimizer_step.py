@@ -12,7 +12,7 @@ from functools import partial
 import torch
 from torch import nn
 
-from teachloop.all import SGD, Adam, RMSProp  # teachloop.all switches the fast path on (teachloop.fast)
+from teachloop.all import SGD, Adam, RMSProp  # teachloop.all switches the fast path on (teachloop.optim.fast)
 from teachloop.all import AdEMAMix, Adafactor, Lamb, Muon, ScheduleFreeAdamW
 
 try: import schedulefree

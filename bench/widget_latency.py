@@ -16,8 +16,8 @@ import time
 
 import torch
 
-from teachloop.momentum import DirectionDecayWidget, EWMAWidget, GradientStreamWidget, TrajectoryWidget
-from teachloop.optimizer_builder import OptimizerBuilder
+from teachloop.lessons.momentum import DirectionDecayWidget, EWMAWidget, GradientStreamWidget, TrajectoryWidget
+from teachloop.lessons.optimizer_builder import OptimizerBuilder
 
 torch.set_num_threads(1)
 

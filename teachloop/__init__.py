@@ -1,6 +1,14 @@
 __version__ = "0.1.0"
 
-# Every optimizer takes its multi-tensor step whichever module it was imported from: `teachloop.fast` adds its planner
-# to the optimizer's list when imported, and importing a submodule runs this file first. (nbdev writes only the
-# version line here; the import of a higher module from the package root creates no cycle between the modules.)
-import teachloop.fast  # noqa: E402,F401
+# What a module adds to the modules below it is there whichever module a user imports first: importing any submodule
+# runs this file, which imports every module that extends a lower one, so the library behaves the same in any import
+# order (tests/test_structure.py checks it). They add: the multi-tensor steps to the optimizer (`optim.fast`), the
+# default callbacks to every learner (`callback.core`), the Learner's methods of the later notebooks (`fit_one_cycle`,
+# `lr_find`, `save_checkpoint`, `distributed`, ...) and each optimizer part's effective learning rate. (nbdev writes
+# only the version line here; an import from the package root makes no cycle between the modules.)
+import teachloop.optim.fast  # noqa: E402,F401
+import teachloop.callback.core  # noqa: E402,F401
+import teachloop.callback.schedule  # noqa: E402,F401
+import teachloop.callback.checkpoint  # noqa: E402,F401
+import teachloop.callback.distributed  # noqa: E402,F401
+import teachloop.diagnostics.effective_lr  # noqa: E402,F401

@@ -6,39 +6,43 @@
 __all__ = ['MODULES']
 
 # %% ../nbs/14b_all.ipynb #c003
-from . import (
-    callbacks, checkpoint, core, dashboard, dashboard_buffers, dashboard_controls, dashboard_plot, dashboard_widget,
-    data, distributed, effective_lr, fast, faults, interop, layer_stats, learner, momentum, nan_capture, optimizer,
-    optimizer_builder, optimizers, race, random_state, recent_optimizers, schedule, sharpness, testing)
+import importlib
+
 from .core import *
 from .random_state import *
 from .data import *
-from .optimizer import *
-from .optimizers import *
-from .recent_optimizers import *
-from .fast import *
-from .interop import *
+from .figures import *
+from .optim.core import *
+from .optim.more import *
+from .optim.recent import *
+from .optim.fast import *
+from .optim.interop import *
+from .lessons.momentum import *
+from .lessons.optimizer_builder import *
 from .learner import *
-from .callbacks import *
-from .schedule import *
-from .effective_lr import *
-from .sharpness import *
-from .layer_stats import *
-from .nan_capture import *
-from .checkpoint import *
-from .faults import *
+from .callback.core import *
+from .callback.schedule import *
+from .diagnostics.effective_lr import *
+from .diagnostics.sharpness import *
+from .diagnostics.layer_stats import *
+from .callback.nan_capture import *
+from .callback.checkpoint import *
+from .callback.tracker import *
+from .callback.faults import *
 from .testing import *
-from .distributed import *
-from .race import *
-from .momentum import *
-from .optimizer_builder import *
-from .dashboard_controls import *
-from .dashboard_buffers import *
-from .dashboard_plot import *
-from .dashboard_widget import *
-from .dashboard import *
+from .callback.distributed import *
+from .lessons.race import *
+from .dashboard.controls import *
+from .dashboard.buffers import *
+from .dashboard.plot import *
+from .dashboard.widget import *
+from .dashboard.live import *
 
-MODULES = (core, random_state, data, optimizer, optimizers, recent_optimizers, fast, interop, momentum, optimizer_builder, learner,
-           callbacks, schedule, effective_lr, sharpness, layer_stats, nan_capture, checkpoint, faults, testing,
-           distributed, race, dashboard_controls, dashboard_buffers, dashboard_plot, dashboard_widget, dashboard)
+# the modules above, in the same (course) order: the API reference lists them so
+MODULES = tuple(importlib.import_module(f'teachloop.{name}') for name in (
+    'core', 'random_state', 'data', 'figures', 'optim.core', 'optim.more', 'optim.recent', 'optim.fast', 'optim.interop',
+    'lessons.momentum', 'lessons.optimizer_builder', 'learner', 'callback.core', 'callback.schedule',
+    'diagnostics.effective_lr', 'diagnostics.sharpness', 'diagnostics.layer_stats', 'callback.nan_capture',
+    'callback.checkpoint', 'callback.tracker', 'callback.faults', 'testing', 'callback.distributed', 'lessons.race',
+    'dashboard.controls', 'dashboard.buffers', 'dashboard.plot', 'dashboard.widget', 'dashboard.live'))
 __all__ = [name for module in MODULES for name in module.__all__]

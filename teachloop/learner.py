@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from .core import InterruptGate, atomic_save, check_save_path
-from .interop import norm_and_bias_params
-from .optimizer import Adam, Optimizer, check_hyper
+from .optim.interop import norm_and_bias_params
+from .optim.core import Adam, Optimizer, check_hyper
 
 # %% auto #0
 __all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'CancelBatchException', 'CancelBackwardException',
@@ -162,9 +162,9 @@ def default_splitter(model):
     return [list(model.parameters())]
 
 # Methods that later notebooks add to `Learner`, and the module that adds each.
-_METHODS_FROM = {**{name: 'teachloop.schedule' for name in ('fit_one_cycle', 'fit_flat_cos', 'fit_sgdr', 'lr_find')},
-                 **{name: 'teachloop.checkpoint' for name in ('save_checkpoint', 'load_checkpoint', 'resume_callback')},
-                 'recorder': 'teachloop.callbacks', 'progress': 'teachloop.callbacks'}
+_METHODS_FROM = {**{name: 'teachloop.callback.schedule' for name in ('fit_one_cycle', 'fit_flat_cos', 'fit_sgdr', 'lr_find')},
+                 **{name: 'teachloop.callback.checkpoint' for name in ('save_checkpoint', 'load_checkpoint', 'resume_callback')},
+                 'recorder': 'teachloop.callback.core', 'progress': 'teachloop.callback.core'}
 
 def _describe_shape(t): return tuple(t.shape) if hasattr(t, 'shape') else type(t).__name__
 
@@ -527,7 +527,7 @@ def fit(self:Learner,
         wd=None,  # weight decay for this fit; None keeps the optimizer's
         cbs=None,  # callbacks used for this fit only
         reset_opt=False,  # create a fresh optimizer (forgetting its state) first
-        resume=None,  # path of a checkpoint to continue from (`teachloop.checkpoint` adds this)
+        resume=None,  # path of a checkpoint to continue from (`teachloop.callback.checkpoint` adds this)
        ):
     "Train for `n_epoch` epochs."
     with self.exclusive('fit'): self._fit(n_epoch, lr, wd, callback_list(cbs), reset_opt, resume)

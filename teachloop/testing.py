@@ -10,10 +10,10 @@ import itertools
 import torch
 from torch import nn
 
-from .callbacks import ProgressCallback
+from .callback.core import ProgressCallback
 from .data import DataLoaders, digits_cnn, digits_dls, regression_2d
 from .learner import Learner
-from .optimizer import SGD
+from .optim.core import SGD
 from .random_state import set_seed
 
 # %% auto #0

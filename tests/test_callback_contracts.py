@@ -40,24 +40,25 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import teachloop
 import teachloop.all  # noqa: F401  (every notebook's Learner methods added)
-from teachloop.callbacks import (BatchNormAtAverage, DeviceCallback, GradientAccumulation, MixedPrecision,
+from teachloop.callback.core import (BatchNormAtAverage, DeviceCallback, GradientAccumulation, MixedPrecision,
                                  ProgressCallback, Recorder)
-from teachloop.checkpoint import Checkpoint, EarlyStopping, ReduceLROnPlateau, SaveModel, TrackerCallback
-from teachloop.dashboard import TrainingDashboard
-from teachloop.dashboard_controls import SteeringCallback
+from teachloop.callback.checkpoint import Checkpoint
+from teachloop.callback.tracker import EarlyStopping, ReduceLROnPlateau, SaveModel, TrackerCallback
+from teachloop.dashboard.live import TrainingDashboard
+from teachloop.dashboard.controls import SteeringCallback
 from teachloop.data import DataLoaders
-from teachloop.distributed import PoisonBatch, run_ranks
-from teachloop.effective_lr import EffectiveLRTracker
-from teachloop.faults import CheckBatch, GradientClipping, TerminateOnNaN
-from teachloop.layer_stats import LayerStats
+from teachloop.callback.distributed import PoisonBatch, run_ranks
+from teachloop.diagnostics.effective_lr import EffectiveLRTracker
+from teachloop.callback.faults import CheckBatch, GradientClipping, TerminateOnNaN
+from teachloop.diagnostics.layer_stats import LayerStats
 from teachloop.learner import Callback, EventLog, GatherPreds, Learner
-from teachloop.nan_capture import NaNCapture
-from teachloop.optimizer import SGD
-from teachloop.race import StepTimer
+from teachloop.callback.nan_capture import NaNCapture
+from teachloop.optim.core import SGD
+from teachloop.lessons.race import StepTimer
 from teachloop.random_state import loader_generators, rng_states, same_state, set_seed
-from teachloop.recent_optimizers import ScheduleFreeSGD
-from teachloop.schedule import LRFinder, ParamScheduler, annealing_cos
-from teachloop.sharpness import Sharpness
+from teachloop.optim.recent import ScheduleFreeSGD
+from teachloop.callback.schedule import LRFinder, ParamScheduler, annealing_cos
+from teachloop.diagnostics.sharpness import Sharpness
 
 SGD_MOM = partial(SGD, mom=0.9)
 
@@ -172,7 +173,7 @@ CALLBACKS = {
     'TerminateOnNaN': Described(lambda folder: TerminateOnNaN(), observes=True, two_processes='refused'),
     'GradientClipping': Described(lambda folder: GradientClipping(max_norm=0.1)),
     'CheckBatch': Described(lambda folder: CheckBatch(), observes=True),
-    'DataParallel': Described(why="`learn.distributed()` makes it: the two-process battery runs it with every "
+    'DistributedTrainer': Described(why="`learn.distributed()` makes it: the two-process battery runs it with every "
                                   "callback (alone it refuses the fit, see test_distributed)"),
     # a NaN in rank 0's batch at step 8, after the resume battery's interruptions: NaNCapture stops the fit there
     'PoisonBatch': Described(lambda folder: PoisonBatch(rank=0, at=8),

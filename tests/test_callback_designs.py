@@ -8,7 +8,7 @@ from teachloop.designs.callback_designs import (SETTINGS, TRAINING_BATCH_EVENTS,
                                         one_event_callbacks)
 from teachloop.data import digits_dls
 from teachloop.learner import EventLog, Learner
-from teachloop.optimizer import SGD
+from teachloop.optim.core import SGD
 from teachloop.testing import tiny_dls
 
 

@@ -13,16 +13,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from teachloop.callbacks import (BatchNormAtAverage, DeviceCallback, GradientAccumulation, MixedPrecision, Recorder, hypers_read,
+from teachloop.callback.core import (BatchNormAtAverage, DeviceCallback, GradientAccumulation, MixedPrecision, Recorder, hypers_read,
                                  smooth_values, smoothing_window)
-from teachloop.checkpoint import Checkpoint, read_checkpoint
+from teachloop.callback.checkpoint import Checkpoint, read_checkpoint
 from teachloop.data import DataLoaders
-from teachloop.faults import GradientClipping
-from teachloop.interop import OptimWrapper
+from teachloop.callback.faults import GradientClipping
+from teachloop.optim.interop import OptimWrapper
 from teachloop.learner import CancelBatchException, Callback, Learner
-from teachloop.optimizer import SGD, Adam
+from teachloop.optim.core import SGD, Adam
 from teachloop.random_state import rng_states, same_state, set_seed
-from teachloop.recent_optimizers import ScheduleFreeAdamW
+from teachloop.optim.recent import ScheduleFreeAdamW
 from teachloop.testing import digits_learner, tiny_learner
 
 
@@ -71,7 +71,7 @@ def test_plot_loss_saves_its_figure_and_smooths_by_the_fits_length(tmp_path):
                                   lambda params: Adam(params, lr=1e-3), lambda params: Adam(params, lr=1e-3, fast=True)])
 def test_state_moved_with_its_model_sits_where_an_optimizer_made_on_the_gpu_keeps_it(make):
     "Each state tensor on the device (and in the dtype) that the same optimizer made on the GPU uses: step counts too."
-    from teachloop.callbacks import state_to_params_devices
+    from teachloop.callback.core import state_to_params_devices
     def stepped(model):
         opt = make(list(model.parameters()))
         model(torch.ones(3, 2, device=model.weight.device)).sum().backward()

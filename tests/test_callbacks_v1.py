@@ -4,12 +4,12 @@ import pytest
 import torch
 from torch import nn
 
-from teachloop.callbacks import accuracy, smooth_values
+from teachloop.callback.core import accuracy, smooth_values
 from teachloop.designs.callbacks_v1 import (V1_EVENTS, AverageMetric, CallbackHandler, V1GradientClipping, SmoothenValue,
                                     V1Stepper, V1Callback)
 from teachloop.data import tensor_dls
 from teachloop.learner import Learner
-from teachloop.schedule import annealing_cos
+from teachloop.callback.schedule import annealing_cos
 from teachloop.testing import tiny_dls, tiny_learner
 
 LR = 0.1  # tiny_learner's, which the hand-written loop must take too

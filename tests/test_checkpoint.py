@@ -9,14 +9,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teachloop.checkpoint import (Checkpoint, EarlyStopping, ReduceLROnPlateau, SaveModel, TrackerCallback,
-                                  read_checkpoint)
+from teachloop.callback.checkpoint import Checkpoint, read_checkpoint
+from teachloop.callback.tracker import EarlyStopping, ReduceLROnPlateau, SaveModel, TrackerCallback
 from teachloop.data import digits_cnn, digits_dls
 from teachloop.learner import Callback, CancelFitException, Learner
-from teachloop.optimizer import SGD, Adam
-from teachloop.recent_optimizers import ScheduleFreeAdamW
+from teachloop.optim.core import SGD, Adam
+from teachloop.optim.recent import ScheduleFreeAdamW
 
-from teachloop.schedule import ParamScheduler, one_cycle_scheds
+from teachloop.callback.schedule import ParamScheduler, one_cycle_scheds
 from teachloop.testing import digits_learner, quiet
 
 
@@ -308,8 +308,8 @@ def test_a_save_at_an_epochs_end_resumes_from_the_next_epoch_whatever_its_order(
 
 
 def test_paths_are_checked_when_the_callbacks_are_made(tmp_path):
-    from teachloop.dashboard import TrainingDashboard
-    from teachloop.nan_capture import NaNCapture
+    from teachloop.dashboard.live import TrainingDashboard
+    from teachloop.callback.nan_capture import NaNCapture
     a_file = tmp_path / 'a-file'
     a_file.write_text('')
     assert NaNCapture(tmp_path).path == str(tmp_path / 'nan-capture.pt')  # a folder, as the seed's callback takes
@@ -322,7 +322,7 @@ def test_paths_are_checked_when_the_callbacks_are_made(tmp_path):
 
 
 def test_a_nan_capture_into_a_folder_is_written_there(tmp_path):
-    from teachloop.nan_capture import NaNCapture, load_capture
+    from teachloop.callback.nan_capture import NaNCapture, load_capture
     class NaNAt(Callback):
         order = 15
         def after_backward(self):

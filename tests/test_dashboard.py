@@ -13,18 +13,18 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from teachloop import dashboard as dash
-from teachloop import dashboard_buffers, dashboard_controls, dashboard_plot, dashboard_widget
-from teachloop.callbacks import DeviceCallback, smooth_values
-from teachloop.dashboard import TrainingDashboard
-from teachloop.dashboard_buffers import BoundedSeries, DeviceBuffer, RunningSmoother, downsample_minmax
-from teachloop.dashboard_controls import FitControls, SteeringCallback, fit_background
-from teachloop.effective_lr import effective_lr_stats
+from teachloop.dashboard import live as dash
+from teachloop.dashboard import buffers as dashboard_buffers, controls as dashboard_controls, plot as dashboard_plot, widget as dashboard_widget
+from teachloop.callback.core import DeviceCallback, smooth_values
+from teachloop.dashboard.live import TrainingDashboard
+from teachloop.dashboard.buffers import BoundedSeries, DeviceBuffer, RunningSmoother, downsample_minmax
+from teachloop.dashboard.controls import FitControls, SteeringCallback, fit_background
+from teachloop.diagnostics.effective_lr import effective_lr_stats
 from teachloop.data import DataLoaders, digits_cnn, digits_dls, regression_2d
-from teachloop.layer_stats import LayerStats
+from teachloop.diagnostics.layer_stats import LayerStats
 from teachloop.learner import Callback, CancelFitException, EventLog, Learner
-from teachloop.optimizer import SGD, Adam
-from teachloop.sharpness import Sharpness
+from teachloop.optim.core import SGD, Adam
+from teachloop.diagnostics.sharpness import Sharpness
 from teachloop.testing import digits_learner
 
 DLS = digits_dls(bs=64)  # for the number of batches; each learner gets fresh loaders (they own a shuffling generator)
@@ -180,7 +180,7 @@ def test_requested_hyper_is_applied_from_the_next_batch_and_held_against_a_sched
 
 
 def test_a_moved_slider_wins_over_one_cycle_in_the_background():
-    import teachloop.schedule  # adds Learner.fit_one_cycle
+    import teachloop.callback.schedule  # adds Learner.fit_one_cycle
     dashboard = TrainingDashboard()
     class Request(Callback):
         def after_batch(self):
@@ -416,7 +416,7 @@ EXIT_DURING_FIT = """
 import time, torch
 from torch import nn
 from torch.nn import functional as F
-from teachloop.dashboard import TrainingDashboard, fit_background
+from teachloop.dashboard.live import TrainingDashboard, fit_background
 from teachloop.data import digits_cnn, digits_dls
 from teachloop.learner import Learner
 learn = Learner(digits_dls(), digits_cnn(), nn.functional.cross_entropy, default_cbs=False)
@@ -476,7 +476,7 @@ def test_background_fit_uses_the_callers_cuda_device_and_no_sync_between_ticks()
 
 
 def test_fit_background_returns_a_handle_and_trains_with_any_fit_method():
-    from teachloop.schedule import fit_one_cycle  # noqa: F401  adds Learner.fit_one_cycle
+    from teachloop.callback.schedule import fit_one_cycle  # noqa: F401  adds Learner.fit_one_cycle
     learn = Learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, lr=3e-3)
     learn.progress.show_bar = learn.progress.print_rows = False
     handle = fit_background(learn, 1)
@@ -510,7 +510,7 @@ def test_batches_cancelled_before_their_loss_are_skipped():
 
 
 def test_a_slider_request_belongs_to_the_fit_it_was_made_in():
-    from teachloop.schedule import fit_one_cycle, lr_find  # noqa: F401  (add the Learner methods)
+    from teachloop.callback.schedule import fit_one_cycle, lr_find  # noqa: F401  (add the Learner methods)
     steering = SteeringCallback()
     class MoveSliderAt(Callback):
         "The lr slider moved by the user during training step 5 of the fit this callback is part of."
@@ -586,7 +586,7 @@ def test_after_a_steered_fit_the_next_one_starts_from_the_values_the_sliders_fou
 
 
 def test_after_a_steered_scheduled_fit_the_optimizer_holds_what_the_schedule_left():
-    import teachloop.schedule  # noqa: F401  (adds Learner.fit_one_cycle)
+    import teachloop.callback.schedule  # noqa: F401  (adds Learner.fit_one_cycle)
     plain = digits_learner()
     plain.fit_one_cycle(1, 1e-2)
     dashboard = TrainingDashboard(refresh=1e9)

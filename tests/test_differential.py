@@ -16,8 +16,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from teachloop.optimizer import SGD, Adam, RMSProp
-from teachloop.optimizers import Nesterov, RAdam
+from teachloop.optim.core import SGD, Adam, RMSProp
+from teachloop.optim.more import Nesterov, RAdam
 
 pytestmark = pytest.mark.numeric
 

@@ -12,17 +12,18 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
-from teachloop.callbacks import accuracy
-from teachloop.checkpoint import Checkpoint, SaveModel
+from teachloop.callback.core import accuracy
+from teachloop.callback.checkpoint import Checkpoint
+from teachloop.callback.tracker import SaveModel
 from teachloop.core import process_rank
 from teachloop.data import DataLoaders, digits_cnn, load_digits_tensors, tensor_dls
-from teachloop.distributed import (GlobalBatchNorm, RankFailed, batch_norm_layers, check_world, digits_bn_cnn, digits_fit,
+from teachloop.callback.distributed import (GlobalBatchNorm, RankFailed, batch_norm_layers, check_world, digits_bn_cnn, digits_fit,
                                    nan_on_one_rank, run_ranks, shard_dls)
-from teachloop.effective_lr import EffectiveLRTracker
-from teachloop.faults import TerminateOnNaN
+from teachloop.diagnostics.effective_lr import EffectiveLRTracker
+from teachloop.callback.faults import TerminateOnNaN
 from teachloop.learner import CancelBackwardException, CancelBatchException, Callback, Learner
-from teachloop.nan_capture import NaNCapture, replay_nan
-from teachloop.optimizer import SGD, Adam
+from teachloop.callback.nan_capture import NaNCapture, replay_nan
+from teachloop.optim.core import SGD, Adam
 from teachloop.random_state import set_seed
 
 FORK = dict(world_size=2, start_method='fork', timeout=120)
@@ -195,14 +196,14 @@ def test_save_model_writes_from_rank_zero_and_the_others_wait_for_it(tmp_path):
 
 
 class OwnLosses(Callback):
-    "This rank's own loss of each training batch, read before DataParallel sends it; cancel (in every rank) some batches."
+    "This rank's own loss of each training batch, read before DistributedTrainer sends it; cancel (in every rank) some batches."
     order = 10
     def __init__(self, cancel=None): self.cancel, self.seen = cancel, []
     def after_loss(self):
         if not self.learn.training: return
         self.seen.append(self.learn.loss.item())
         if self.cancel is CancelBatchException and self.learn.iter % 5 == 3: raise self.cancel()
-    def before_backward(self):  # a backward cancelled by a callback that runs before DataParallel's `before_backward`
+    def before_backward(self):  # a backward cancelled by a callback that runs before DistributedTrainer's `before_backward`
         if self.cancel is CancelBackwardException and self.learn.iter % 5 == 4: raise self.cancel()
 
 
@@ -244,7 +245,7 @@ def test_a_ctrl_c_after_the_fits_last_message_left_still_stops_every_rank(event)
 
 
 def ctrl_c_after_data_parallels_after_batch():
-    "A Ctrl-C in rank 1 in a callback's `after_batch` after DataParallel's (order 45): the Recorder's, a Checkpoint's."
+    "A Ctrl-C in rank 1 in a callback's `after_batch` after DistributedTrainer's (order 45): the Recorder's, a Checkpoint's."
     learn = digits_learner_fp32()
     try:
         # `train_iter` counts step 30 done in `after_batch` (order -10): 31 is step 30's, a step carrying a message
@@ -254,7 +255,7 @@ def ctrl_c_after_data_parallels_after_batch():
 
 
 def test_a_ctrl_c_late_in_a_batch_waits_for_the_next_message_in_every_rank():
-    "Rank 1's gate hands it to DataParallel instead of raising it alone: both ranks stop after step 38, the next message."
+    "Rank 1's gate hands it to DistributedTrainer instead of raising it alone: both ranks stop after step 38, the next message."
     assert run_ranks(ctrl_c_after_data_parallels_after_batch, **FORK) == [39, 39]
 
 
@@ -396,9 +397,9 @@ def test_only_rank_zero_shows_progress_and_rows_and_validate_sums_the_shards():
 
 
 def test_the_callback_alone_is_refused_before_anything_changes():
-    from teachloop.distributed import DataParallel
+    from teachloop.callback.distributed import DistributedTrainer
     learn = digits_learner_fp32()
-    with pytest.raises(ValueError, match='learn.distributed'): learn.fit(1, cbs=[DataParallel()])
+    with pytest.raises(ValueError, match='learn.distributed'): learn.fit(1, cbs=[DistributedTrainer()])
     assert learn.opt is None and learn.train_iter == 0
 
 

@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 
 from teachloop.data import digits_cnn, digits_dls
-from teachloop.effective_lr import EffectiveLRTracker, UpdateRatio, effective_lr_stats, effective_lrs
-from teachloop.interop import OptimWrapper
+from teachloop.diagnostics.effective_lr import EffectiveLRTracker, UpdateRatio, effective_lr_stats, effective_lrs
+from teachloop.optim.interop import OptimWrapper
 from teachloop.learner import Learner
-from teachloop.optimizer import SGD, Adam, RMSProp
-from teachloop.optimizers import LARS, Lamb, Lion, Nesterov, QHAdam, RAdam
+from teachloop.optim.core import SGD, Adam, RMSProp
+from teachloop.optim.more import LARS, Lamb, Lion, Nesterov, QHAdam, RAdam
 from teachloop.testing import digits_batches
 
 pytestmark = pytest.mark.numeric
@@ -121,7 +121,7 @@ def test_quantiles_per_layer_and_param():
 
 @pytest.mark.parametrize('n', [1, 2, 7, 1000])
 def test_quantiles_match_torch_quantile(n):
-    from teachloop.effective_lr import _quantiles
+    from teachloop.diagnostics.effective_lr import _quantiles
     values = torch.rand(n, generator=torch.Generator().manual_seed(n)).reshape(-1, 1)
     quantiles = (0., 0.05, 0.33, 0.5, 0.95, 1.)
     assert torch.allclose(_quantiles(values, quantiles), torch.quantile(values.flatten(), torch.tensor(quantiles)))

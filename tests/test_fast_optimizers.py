@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 
 from teachloop.data import digits_cnn
-from teachloop.fast import FastStep, plan_fast_step
-from teachloop.optimizer import SGD, Adam, Optimizer, RMSProp
-from teachloop.optimizers import LARC, LARS, Lamb, Lion, Lookahead, Nesterov, QHAdam, RAdam
+from teachloop.optim.fast import FastStep, plan_fast_step
+from teachloop.optim.core import SGD, Adam, Optimizer, RMSProp
+from teachloop.optim.more import LARC, LARS, Lamb, Lion, Lookahead, Nesterov, QHAdam, RAdam
 from teachloop.testing import digits_batches
 
 pytestmark = pytest.mark.numeric

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from teachloop.data import DataLoaders, digits_cnn, digits_dls
-from teachloop.faults import CheckBatch, GradientClipping, TerminateOnNaN
+from teachloop.callback.faults import CheckBatch, GradientClipping, TerminateOnNaN
 from teachloop.random_state import set_seed
 from teachloop.learner import BATCH_EVENTS, EVENTS, Callback, CancelFitException, Learner
-from teachloop.optimizer import SGD
+from teachloop.optim.core import SGD
 from teachloop.testing import digits_learner, quiet
 
 
@@ -147,7 +147,7 @@ def test_a_stop_from_another_thread_leaves_the_same_state_without_an_exception()
 
 
 def test_the_dashboard_stop_from_its_thread():
-    dashboard = pytest.importorskip('teachloop.dashboard')
+    dashboard = pytest.importorskip('teachloop.dashboard.live')
     learn = sgd_learner()
     handles, started = [], threading.Event()
     class StopFromOutside(Callback):

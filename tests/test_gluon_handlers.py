@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from teachloop.callbacks import accuracy
+from teachloop.callback.core import accuracy
 from teachloop.data import DataLoaders, tensor_dls
 from teachloop.designs.gluon_handlers import (GLUON_EVENTS, BatchEnd, CheckpointHandler, EarlyStoppingHandler, EpochBegin,
                                       EpochEnd, Estimator, GradientClippingHandler, LoggingHandler, Loss, Metric,

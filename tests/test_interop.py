@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from teachloop.data import digits_cnn, digits_dls
-from teachloop.interop import OptimWrapper, freeze, freeze_to, split_at, unfreeze
+from teachloop.optim.interop import OptimWrapper, freeze, freeze_to, split_at, unfreeze
 from teachloop.learner import Learner
-from teachloop.optimizer import SGD, Adam
-from teachloop.optimizers import Lamb
+from teachloop.optim.core import SGD, Adam
+from teachloop.optim.more import Lamb
 from teachloop.testing import digits_batches
 
 pytestmark = pytest.mark.numeric
@@ -130,11 +130,11 @@ def test_learner_with_wrapped_adamw_trains_like_torch():
 
 
 def test_one_cycle_schedules_wrapped_optimizer():
-    import teachloop.schedule  # noqa: F401  (adds fit_one_cycle)
+    import teachloop.callback.schedule  # noqa: F401  (adds fit_one_cycle)
     learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, lr=1e-2, default_cbs=False,
                     opt_func=partial(OptimWrapper, opt=torch.optim.SGD, momentum=0.9))
     seen = []
-    learn.add_cbs([type('Spy', (teachloop.schedule.Callback,), {
+    learn.add_cbs([type('Spy', (teachloop.callback.schedule.Callback,), {
         'after_step': lambda self: seen.append((self.opt.opt.param_groups[0]['lr'], self.opt.opt.param_groups[0]['momentum']))
     })()])
     learn.fit_one_cycle(1, moms=(0.95, 0.85, 0.95))

@@ -8,11 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teachloop import layer_stats as module
+from teachloop.diagnostics import layer_stats as module
 from teachloop.data import DataLoaders
 from teachloop.learner import CancelBatchException, Callback, Learner
-from teachloop.layer_stats import LayerStats, dead_share, saturated_share
-from teachloop.optimizer import SGD
+from teachloop.diagnostics.layer_stats import LayerStats, dead_share, saturated_share
+from teachloop.optim.core import SGD
 from teachloop.testing import quiet
 
 pytestmark = pytest.mark.numeric

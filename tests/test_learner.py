@@ -8,12 +8,12 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from teachloop.callbacks import ProgressCallback, Recorder, accuracy
+from teachloop.callback.core import ProgressCallback, Recorder, accuracy
 from teachloop.data import DataLoaders, digits_cnn, digits_dls, regression_2d
 from teachloop.learner import (EVENTS, CancelBackwardException, CancelBatchException, CancelEpochException,
                                CancelFitException, CancelStepException, CancelTrainException, CancelValidException,
                                Callback, EventLog, Learner)
-from teachloop.optimizer import SGD, Adam
+from teachloop.optim.core import SGD, Adam
 from teachloop.testing import digits_learner, quiet, tiny_dls, tiny_learner
 
 TRAIN_BATCH = ['before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step',
@@ -333,7 +333,7 @@ def test_get_preds_and_validate_agree():
     torch.manual_seed(0)
     learn = Learner(digits_dls(bs=64), digits_cnn(), F.cross_entropy, lr=3e-3, metrics=[accuracy],
                     cbs=[ProgressCallback(show_bar=False, print_rows=False)], default_cbs=False)
-    from teachloop.callbacks import DeviceCallback
+    from teachloop.callback.core import DeviceCallback
     learn.add_cbs([Recorder(), DeviceCallback()])
     learn.fit(1)
     preds, targets = learn.get_preds()
@@ -378,7 +378,7 @@ def test_recorder_rows_of_a_phase_cancelled_before_the_recorder_heard_it(event, 
 
 def test_mixed_precision_float16_skips_a_step_with_inf_gradients_and_lowers_the_scale():
     "The GradScaler path, on the CPU: forward in float16, an inf gradient at step 2 skips exactly that step."
-    from teachloop.callbacks import MixedPrecision
+    from teachloop.callback.core import MixedPrecision
     class InfGradientAt(Callback):
         order = 5  # before MixedPrecision (10) unscales and checks
         def after_backward(self):
@@ -404,7 +404,7 @@ def test_mixed_precision_float16_skips_a_step_with_inf_gradients_and_lowers_the_
 @pytest.mark.parametrize('event, exc', [('before_backward', CancelBackwardException), ('after_backward', CancelBatchException)])
 def test_mixed_precision_float16_survives_a_cancelled_backward_or_batch(event, exc):
     "A batch cancelled around its backward leaves the scaler consistent: the fit goes on and the next steps train."
-    from teachloop.callbacks import MixedPrecision
+    from teachloop.callback.core import MixedPrecision
     cancel = Raise(event, exc, iter=1)
     cancel.order = 20  # after MixedPrecision (10) has unscaled, for the after_backward case
     learn = digits_learner(MixedPrecision(torch.float16), cancel, opt_func=SGD, lr=0.05, default_cbs=False)
@@ -476,7 +476,7 @@ def test_calls_from_another_thread_during_a_background_fit_are_refused():
     worker.start()
     try:
         assert started.wait(10)
-        from teachloop.schedule import lr_find, fit_one_cycle  # noqa: F401  (add the Learner methods)
+        from teachloop.callback.schedule import lr_find, fit_one_cycle  # noqa: F401  (add the Learner methods)
         opt, cbs = learn.opt, list(learn.cbs)
         for call in (lambda: learn.validate(), lambda: learn.get_preds(), lambda: learn.fit(1),
                      lambda: learn.predict(torch.zeros(1, 2)), lambda: learn.load('nowhere.pt'),
@@ -495,7 +495,7 @@ def test_calls_from_another_thread_during_a_background_fit_are_refused():
 
 
 def test_hypers_no_callback_reads_cannot_be_scheduled():
-    from teachloop.schedule import ParamScheduler, fit_one_cycle  # noqa: F401  (adds Learner.fit_one_cycle)
+    from teachloop.callback.schedule import ParamScheduler, fit_one_cycle  # noqa: F401  (adds Learner.fit_one_cycle)
     learn = tiny_learner()  # SGD without momentum: `mom` is a hyper-parameter no callback reads
     with pytest.raises(ValueError, match="no callback of the optimizer reads 'mom'"):
         learn.fit(1, cbs=[ParamScheduler({'mom': lambda pct: 0.9})])
@@ -506,7 +506,7 @@ def test_hypers_no_callback_reads_cannot_be_scheduled():
 
 def test_optimizer_state_left_on_another_device_is_reloaded_where_torch_puts_it(monkeypatch):
     "On the CPU only the decision can be checked (the move itself is the cuda test below): reload exactly when behind."
-    from teachloop.callbacks import state_to_params_devices
+    from teachloop.callback.core import state_to_params_devices
     model = nn.Linear(2, 1)
     for opt in (SGD(model.parameters(), lr=0.1, mom=0.9), torch.optim.Adam(model.parameters())):
         model(torch.ones(1, 2)).sum().backward(); opt.step()
@@ -523,7 +523,7 @@ def test_optimizer_state_left_on_another_device_is_reloaded_where_torch_puts_it(
 
 @pytest.mark.cuda
 def test_a_learner_loaded_before_its_first_fit_trains_on_the_gpu(tmp_path):
-    from teachloop.callbacks import DeviceCallback
+    from teachloop.callback.core import DeviceCallback
     learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, default_cbs=False, cbs=[DeviceCallback('cuda')])
     learn.fit(1)
     learn.save(tmp_path / 'l.pt')
@@ -536,8 +536,8 @@ def test_a_learner_loaded_before_its_first_fit_trains_on_the_gpu(tmp_path):
 @pytest.mark.parametrize('sync_free', [False, True])
 def test_mixed_precision_float16_resumes_with_its_loss_scale(tmp_path, sync_free):
     "A resumed float16 fit goes on with the saved scale and count of skipped steps: the same steps as an uninterrupted fit."
-    import teachloop.checkpoint  # noqa: F401  (adds Learner.save_checkpoint)
-    from teachloop.callbacks import MixedPrecision
+    import teachloop.callback.checkpoint  # noqa: F401  (adds Learner.save_checkpoint)
+    from teachloop.callback.core import MixedPrecision
     class OverflowAboveScale(Callback):  # as a loss scale too large for the gradients does
         order = 5  # before MixedPrecision unscales the gradients
         def after_backward(self):
@@ -625,7 +625,7 @@ def test_wd_bn_bias_false_holds_for_an_optimizer_state_loaded_from_a_learner_tha
 
 
 def test_wd_bn_bias_false_with_a_torch_optimizer_is_refused_before_training():
-    from teachloop.interop import OptimWrapper
+    from teachloop.optim.interop import OptimWrapper
     learn = Learner(tiny_dls(dtype=torch.float64), bn_model(), F.mse_loss,
                     opt_func=partial(OptimWrapper, opt=torch.optim.AdamW), default_cbs=False, wd_bn_bias=False)
     before = copy.deepcopy(learn.model.state_dict())
@@ -635,7 +635,7 @@ def test_wd_bn_bias_false_with_a_torch_optimizer_is_refused_before_training():
 
 @pytest.mark.parametrize('train_bn', [True, False])
 def test_train_bn_keeps_normalisation_layers_training_when_frozen(train_bn):
-    from teachloop.interop import freeze, unfreeze
+    from teachloop.optim.interop import freeze, unfreeze
     learn = Learner(tiny_dls(dtype=torch.float64), bn_model(), F.mse_loss, default_cbs=False, train_bn=train_bn,
                     splitter=lambda m: [list(m[:3].parameters()), list(m[3].parameters())])
     freeze(learn)
@@ -649,7 +649,7 @@ def test_train_bn_keeps_normalisation_layers_training_when_frozen(train_bn):
 @pytest.mark.parametrize('opt_func', [Adam, partial(SGD, mom=0.9)])
 def test_mixed_precision_takes_a_bad_step_back_without_waiting_exactly_as_skipping_it(opt_func):
     "sync_free (CUDA's default) steps, then takes the step back on the device and fixes step counts a step later."
-    from teachloop.callbacks import MixedPrecision
+    from teachloop.callback.core import MixedPrecision
     class InfGradientAt(Callback):
         order = 5
         def after_backward(self):
@@ -686,8 +686,8 @@ def test_a_cancel_raised_after_its_part_is_an_error_naming_the_event(event, exc)
 def test_a_background_fit_takes_every_step_whatever_the_main_thread_calls():
     "Reported: validate/get_preds/fit during a background fit flipped its state and 19-24 of 40 steps were taken."
     import threading
-    from teachloop.dashboard import fit_background
-    from teachloop.schedule import fit_one_cycle, lr_find  # noqa: F401  (add the Learner methods)
+    from teachloop.dashboard.live import fit_background
+    from teachloop.callback.schedule import fit_one_cycle, lr_find  # noqa: F401  (add the Learner methods)
     def learner(): return tiny_learner(Recorder(), dls=tiny_dls(20, bs=4, valid_bs=20), lr=0.01)
     reference = learner()
     reference.fit(2)

@@ -5,12 +5,12 @@ import numpy as np
 import pytest
 import torch
 
-from teachloop.momentum import (DECAY_CURVATURES, SURFACES, DirectionDecayWidget, EWMAWidget, GradientStreamWidget, TrajectoryWidget, convergence_rate,
+from teachloop.lessons.momentum import (DECAY_CURVATURES, SURFACES, DirectionDecayWidget, EWMAWidget, GradientStreamWidget, TrajectoryWidget, convergence_rate,
                                 critical_beta, debiased_ewma, direction_errors, effective_window, ewma, ewma_weights, heavy_ball_rate,
                                 heavy_ball_roots, optimal_momentum, optimizer_set, rate_map,
                                 stable_lr, trajectory)
-from teachloop.optimizer import SGD, Adam, RMSProp
-from teachloop.optimizers import Nesterov
+from teachloop.optim.core import SGD, Adam, RMSProp
+from teachloop.optim.more import Nesterov
 
 pytestmark = pytest.mark.numeric  # trajectories against torch.optim and the math
 

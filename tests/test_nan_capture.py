@@ -9,11 +9,11 @@ from torch import nn
 
 from teachloop.data import digits_cnn, digits_dls
 from teachloop.learner import Callback, CancelFitException, Learner
-from teachloop import nan_capture
-from teachloop.nan_capture import (FiniteCheck, NaNCapture, grads_are_finite, load_capture, nonfinite_grads, replay_nan)
-from teachloop.checkpoint import Checkpoint
-from teachloop.optimizer import SGD, Adam
-from teachloop.optimizers import Lamb
+from teachloop.callback import nan_capture
+from teachloop.callback.nan_capture import (FiniteCheck, NaNCapture, grads_are_finite, load_capture, nonfinite_grads, replay_nan)
+from teachloop.callback.checkpoint import Checkpoint
+from teachloop.optim.core import SGD, Adam
+from teachloop.optim.more import Lamb
 from teachloop.testing import quiet
 
 

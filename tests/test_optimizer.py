@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from teachloop.data import digits_cnn
-from teachloop.optimizer import SGD, RMSProp, Adam, Optimizer, sgd_step, spread_hyper
+from teachloop.optim.core import SGD, RMSProp, Adam, Optimizer, sgd_step, spread_hyper
 from teachloop.testing import digits_batches
 
 pytestmark = pytest.mark.numeric

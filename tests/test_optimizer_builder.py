@@ -7,12 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from teachloop.momentum import SURFACES, trajectory
-from teachloop.optimizer import (SGD, Adam, Optimizer, RMSProp, adam_step, average_grad, average_sqr_grad, l2_reg,
+from teachloop.lessons.momentum import SURFACES, trajectory
+from teachloop.optim.core import (SGD, Adam, Optimizer, RMSProp, adam_step, average_grad, average_sqr_grad, l2_reg,
                                  momentum_step, sgd_step, step_stat, weight_decay)
-from teachloop.optimizer_builder import (HYPERS, PALETTE, OptimizerBuilder, check_recipe, digits_steps, name_recipe,
+from teachloop.lessons.optimizer_builder import (HYPERS, PALETTE, OptimizerBuilder, check_recipe, digits_steps, name_recipe,
                                          recipe_code)
-from teachloop.optimizers import Lion, Nesterov, lion_step, nesterov_step
+from teachloop.optim.more import Lion, Nesterov, lion_step, nesterov_step
 
 pytestmark = pytest.mark.numeric
 

@@ -1,7 +1,7 @@
 """The contracts every optimizer the library exports keeps, checked for all of them at once.
 
 After torch's own optimizer tests (`OptimizerInfo`): each optimizer is described once, where it is taught, with
-`declare_optimizer` (`teachloop.optimizer.OPTIMIZERS`): how to make it, with which settings, on parameters of how many
+`declare_optimizer` (`teachloop.optim.core.OPTIMIZERS`): how to make it, with which settings, on parameters of how many
 dimensions, what independent implementation it equals and how it differs from it by convention. One battery of tests
 runs over every description:
 
@@ -36,15 +36,15 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import teachloop
 import teachloop.all  # noqa: F401  (every notebook's optimizers declared)
-from teachloop.checkpoint import Checkpoint
+from teachloop.callback.checkpoint import Checkpoint
 from teachloop.data import DataLoaders
-from teachloop.distributed import run_ranks
-from teachloop.interop import torch_location, write_hyper
+from teachloop.callback.distributed import run_ranks
+from teachloop.optim.interop import torch_location, write_hyper
 from teachloop.learner import Callback, Learner
-from teachloop.optimizer import OPTIMIZERS
+from teachloop.optim.core import OPTIMIZERS
 from teachloop.random_state import set_seed
-from teachloop.recent_optimizers import ScheduleFreeOptimizer
-from teachloop.schedule import ParamScheduler, annealing_cos
+from teachloop.optim.recent import ScheduleFreeOptimizer
+from teachloop.callback.schedule import ParamScheduler, annealing_cos
 from teachloop.testing import quiet
 
 pytestmark = pytest.mark.numeric

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from teachloop.data import digits_cnn
-from teachloop.optimizer import SGD, Adam
-from teachloop.optimizers import LARC, LARS, Lamb, Lion, Lookahead, Nesterov, QHAdam, RAdam
+from teachloop.optim.core import SGD, Adam
+from teachloop.optim.more import LARC, LARS, Lamb, Lion, Lookahead, Nesterov, QHAdam, RAdam
 from teachloop.testing import digits_batches
 
 pytestmark = pytest.mark.numeric

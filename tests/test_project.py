@@ -10,8 +10,8 @@ import nbformat
 import pytest
 import torch
 
-from teachloop import fast
-from teachloop.optimizer import FAST_STEP_PLANNERS, Adam, add_fast_step_planner
+from teachloop.optim import fast
+from teachloop.optim.core import FAST_STEP_PLANNERS, Adam, add_fast_step_planner
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -22,8 +22,8 @@ def test_nbdev_export_leaves_the_library_unchanged(tmp_path):
     for name in ('nbs', 'teachloop'):
         shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns('__pycache__', '.ipynb_checkpoints'))
     subprocess.run([BIN / 'nbdev-export'], cwd=tmp_path, check=True, capture_output=True)
-    exported = sorted(p.name for p in (tmp_path / 'teachloop').glob('*.py'))
-    committed = sorted(p.name for p in (ROOT / 'teachloop').glob('*.py'))
+    exported = sorted(str(p.relative_to(tmp_path / 'teachloop')) for p in (tmp_path / 'teachloop').rglob('*.py'))
+    committed = sorted(str(p.relative_to(ROOT / 'teachloop')) for p in (ROOT / 'teachloop').rglob('*.py'))
     assert exported == committed, "run `make export`: the notebooks export other modules than teachloop/ holds"
     _, mismatch, errors = filecmp.cmpfiles(ROOT / 'teachloop', tmp_path / 'teachloop', committed, shallow=False)
     assert mismatch == [] and errors == [], f"run `make export`: these modules differ from their notebooks: {mismatch}"
@@ -42,20 +42,20 @@ def test_readme_names_every_notebook():
 
 
 def test_core_modules_import_without_jupyter_packages():
-    code = ("import sys, teachloop.data, teachloop.optimizer, teachloop.learner, teachloop.callbacks, teachloop.demo;"
+    code = ("import sys, teachloop.data, teachloop.optim.core, teachloop.learner, teachloop.callback.core, teachloop.lessons.demo;"
             "bad = [m for m in ('ipywidgets', 'IPython', 'ipykernel', 'jupyter_client', 'nbdev') if m in sys.modules];"
             "assert not bad, bad")
     subprocess.run([sys.executable, '-c', code], check=True, cwd=ROOT)
 
 
 def test_an_optimizer_imported_from_its_own_module_takes_the_fast_step():
-    "`from teachloop.optimizer import Adam` and nothing else: the package's import of teachloop.fast added its planner."
-    code = ("import torch; from teachloop.optimizer import Adam, FAST_STEP_PLANNERS;"
+    "`from teachloop.optim.core import Adam` and nothing else: the package's import of teachloop.optim.fast added its planner."
+    code = ("import torch; from teachloop.optim.core import Adam, FAST_STEP_PLANNERS;"
             "model = torch.nn.Linear(3, 2); opt = Adam(model.parameters(), lr=1e-3);"
             "model(torch.randn(4, 3)).sum().backward();"
             "print(opt.fast_step_for(list(model.parameters())), [p.__module__ for p in FAST_STEP_PLANNERS])")
     out = subprocess.run([sys.executable, '-c', code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "FastStep([fused_adam_step]) ['teachloop.fast']"
+    assert out.strip() == "FastStep([fused_adam_step]) ['teachloop.optim.fast']"
 
 
 def test_a_planner_added_again_replaces_the_one_of_its_name():
@@ -92,7 +92,7 @@ def test_built_wheel_gives_a_working_library(tmp_path):
 
 
 def test_demo_trains_and_writes_the_picture(tmp_path, capsys):
-    from teachloop.demo import train_digits
+    from teachloop.lessons.demo import train_digits
     out = tmp_path / 'training.png'
     learn = train_digits(['--epochs', '2', '--out', str(out)])
     assert out.read_bytes()[:8] == b'\x89PNG\r\n\x1a\n'

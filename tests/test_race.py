@@ -4,11 +4,11 @@ from functools import partial
 
 import torch
 
-from teachloop import race
+from teachloop.lessons import race
 from teachloop.data import digits_dls
 
-from teachloop.race import Racer, race_run, race_table, racers, run_race
-from teachloop.optimizer import SGD
+from teachloop.lessons.race import Racer, race_run, race_table, racers, run_race
+from teachloop.optim.core import SGD
 
 
 def test_a_run_reports_losses_accuracies_and_step_time():

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teachloop.recent_optimizers import (AdEMAMix, Adafactor, GroupedOptimizer, Muon, MuonAdamW, ScheduleFreeAdamW,
+from teachloop.optim.recent import (AdEMAMix, Adafactor, GroupedOptimizer, Muon, MuonAdamW, ScheduleFreeAdamW,
                                          ScheduleFreeSGD, SOAP, Adamax, NAdam, muon_splitter, newton_schulz)
 from teachloop.testing import digits_batches
 
@@ -242,7 +242,7 @@ def test_ademamix_matches_the_papers_algorithm(hypers, fast, batches):
 
 
 def test_ademamix_schedules_and_bad_hypers():
-    from teachloop.recent_optimizers import slow_mix_at, slow_mom_at
+    from teachloop.optim.recent import slow_mix_at, slow_mom_at
     assert slow_mix_at(5, 4., 10) == 2. and slow_mix_at(50, 4., 10) == 4. and slow_mix_at(1, 4., 0) == 4.
     assert slow_mom_at(0, 0.9, 0.999, 100) == 0.9 and 0.9 < slow_mom_at(50, 0.9, 0.999, 100) < 0.999
     w = nn.Parameter(torch.zeros(3))
@@ -330,7 +330,7 @@ def test_the_learner_trains_at_y_and_evaluates_at_x():
 
 
 def test_recompute_batchnorm_averages_the_batches_and_leaves_the_model_as_it_was():
-    from teachloop.recent_optimizers import recompute_batchnorm
+    from teachloop.optim.recent import recompute_batchnorm
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)).eval()
     batches = [(torch.randn(8, 3) + i,) for i in range(5)]
@@ -342,8 +342,8 @@ def test_recompute_batchnorm_averages_the_batches_and_leaves_the_model_as_it_was
 
 
 def test_batchnorm_at_average_acts_only_with_an_optimizer_that_has_eval():
-    from teachloop.callbacks import BatchNormAtAverage
-    from teachloop.optimizer import Adam
+    from teachloop.callback.core import BatchNormAtAverage
+    from teachloop.optim.core import Adam
     from teachloop.testing import digits_learner
     def bn_model():
         return nn.Sequential(nn.Flatten(), nn.Linear(64, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 10))
@@ -464,7 +464,7 @@ def test_nadam_and_adamax_match_torch(name, ours, theirs, fast, batches, float64
 @pytest.mark.parametrize('per_parameter_on_cpu', [True, False])
 def test_fast_steps_match_the_callbacks(make, per_parameter_on_cpu, batches, monkeypatch):
     "The CPU's per-parameter step and, with it taken out, the multi-tensor versions a GPU runs, against the callbacks."
-    from teachloop import fast
+    from teachloop.optim import fast
     if not per_parameter_on_cpu:
         monkeypatch.setattr(fast, 'fused_patterns', [(keys, step) for keys, step in fast.fused_patterns
                                                      if not step.func.__name__.endswith('_parameter_fused')])
@@ -484,7 +484,7 @@ def test_fast_steps_match_the_callbacks(make, per_parameter_on_cpu, batches, mon
                                   NAdam, Adamax])
 def test_effective_learning_rates_of_the_new_optimizers(make):
     "Notebook 10's tools read the factors the new callbacks declare (SOAP's live in its rotated space: it has none)."
-    from teachloop.effective_lr import effective_lrs
+    from teachloop.diagnostics.effective_lr import effective_lrs
     torch.manual_seed(0)
     weight = nn.Parameter(torch.randn(4, 3))
     opt = make([weight])

@@ -12,11 +12,11 @@ import pytest
 import torch
 from torch import nn
 
-from teachloop.callbacks import smooth_values
+from teachloop.callback.core import smooth_values
 from teachloop.data import DataLoaders, regression_2d
 from teachloop.learner import EventLog, Learner
-from teachloop.optimizer import SGD, Adam, Optimizer, sgd_step
-from teachloop.schedule import (LRFinder, ParamScheduler, Stepper, annealing_cos, annealing_exp, annealing_linear,
+from teachloop.optim.core import SGD, Adam, Optimizer, sgd_step
+from teachloop.callback.schedule import (LRFinder, ParamScheduler, Stepper, annealing_cos, annealing_exp, annealing_linear,
                                 annealing_no, annealing_poly, combine_scheds, combined_cos, longest_descent, minimum,
                                 one_cycle_scheds, preview_values, schedule_pct, sgdr_epochs, slide, steep,
                                 suggest_lrs, valley)
@@ -281,7 +281,7 @@ def test_lr_find_restores_model_and_optimizer_exactly():
 
 
 def test_a_checkpoint_written_after_lr_find_continues_the_fit_before_it(tmp_path):
-    import teachloop.checkpoint  # noqa: F401  (adds Learner.save_checkpoint)
+    import teachloop.callback.checkpoint  # noqa: F401  (adds Learner.save_checkpoint)
     learn = digits_learner(lr=1e-3)
     learn.fit(2, lr=3e-3)
     learn.save_checkpoint(tmp_path / 'before.pt')
@@ -375,7 +375,7 @@ def test_lr_find_plot_marks_every_suggestion():
 # --- OptimWrapper ------------------------------------------------------------------------------------------------------
 
 def test_param_scheduler_with_optim_wrapper():
-    from teachloop.interop import OptimWrapper
+    from teachloop.optim.interop import OptimWrapper
     def opt_func(params, lr): return OptimWrapper(params, torch.optim.SGD, lr=lr, momentum=0.9)
     learn = schedule_learner(9, opt_func=opt_func)
     learn.fit_one_cycle(1, lr_max=0.05)

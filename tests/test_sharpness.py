@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teachloop import sharpness as module
+from teachloop.diagnostics import sharpness as module
 from teachloop.data import DataLoaders
-from teachloop.interop import OptimWrapper
+from teachloop.optim.interop import OptimWrapper
 from teachloop.learner import Callback, Learner
-from teachloop.optimizer import SGD, Adam
-from teachloop.schedule import fit_one_cycle  # noqa: F401 (adds `Learner.fit_one_cycle`)
-from teachloop.sharpness import Sharpness, hessian_vector_product, stability_threshold, top_eigenvalue
+from teachloop.optim.core import SGD, Adam
+from teachloop.callback.schedule import fit_one_cycle  # noqa: F401 (adds `Learner.fit_one_cycle`)
+from teachloop.diagnostics.sharpness import Sharpness, hessian_vector_product, stability_threshold, top_eigenvalue
 from teachloop.testing import quiet
 
 pytestmark = pytest.mark.numeric

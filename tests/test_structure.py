@@ -1,5 +1,7 @@
 """How the library is laid out: imports only point down the layers of the course, each public name is one thing."""
 import ast
+import subprocess
+import sys
 import importlib
 import inspect
 from collections import Counter
@@ -12,21 +14,23 @@ import teachloop.all
 
 PACKAGE = Path(teachloop.__file__).parent
 
-# The layers, lowest first. A module may import modules of its own layer or of lower ones, never of a higher one;
-# inside a layer the imports must not form a cycle.
+# The layers, lowest first, by module or subpackage (a subpackage's modules are in its layer unless named apart). A
+# module may import modules of its own layer or of lower ones, never of a higher one; inside a layer the imports must
+# not form a cycle.
 LAYERS = [
-    {'core', 'random_state'},  # helpers every layer needs
-    {'data'},
-    {'optimizer', 'optimizers', 'fast', 'interop', 'recent_optimizers'},
-    {'momentum', 'optimizer_builder'},  # the running averages and paths on 2-D surfaces, taught right after the optimizer
+    {'core', 'random_state', 'lessons'},  # helpers every layer needs (and the lessons' package, which imports nothing)
+    {'data', 'figures'},  # the data sets; figures and widgets of figures (matplotlib, ipywidgets when shown)
+    {'optim'},  # the generic optimizer, the classic and recent ones, the fast path, torch interop
+    {'lessons.momentum', 'lessons.optimizer_builder'},  # running averages and paths on 2-D surfaces, right after 01
     {'learner'},  # the callback core and the training loop
-    {'callbacks', 'schedule', 'effective_lr', 'sharpness', 'layer_stats', 'nan_capture', 'checkpoint', 'faults',
-     'testing', 'demo', 'distributed', 'race'},
-    {'dashboard_controls', 'dashboard_buffers', 'dashboard_plot', 'dashboard_widget',
-     'dashboard'},  # widgets
+    {'callback', 'diagnostics', 'testing', 'lessons.demo', 'lessons.race'},  # callbacks by family, what they measure
+    {'dashboard'},  # widgets
     {'all'},
     {'designs'},  # the historical designs, in their own subpackage
 ]
+
+# Where a newcomer looks for each part: the package's folders, each holding what its name says.
+FOLDERS = {'optim', 'callback', 'diagnostics', 'dashboard', 'lessons', 'designs'}
 
 
 def module_names():
@@ -40,9 +44,20 @@ def module_names():
 
 
 def layer_of(name):
-    for i, layer in enumerate(LAYERS):
-        if name in layer or name.split('.')[0] in layer: return i
+    "The layer of module `name` ('callback.checkpoint'): its own entry, else its subpackage's."
+    parts = name.split('.')
+    for n in range(len(parts), 0, -1):
+        for i, layer in enumerate(LAYERS):
+            if '.'.join(parts[:n]) in layer: return i
     raise AssertionError(f"module teachloop.{name} is in no layer: add it to LAYERS")
+
+
+def test_the_package_is_laid_out_in_folders_by_part():
+    "Subpackages for the parts; at the top only the foundations, the loop, and the module that gathers them all."
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / '__init__.py').exists()}
+    assert folders == FOLDERS
+    top = {p.stem for p in PACKAGE.glob('*.py')} - {'__init__', '_modidx'}
+    assert top == {'core', 'random_state', 'data', 'figures', 'learner', 'testing', 'all'}
 
 
 def imported_teachloop_modules(name):
@@ -113,9 +128,10 @@ def test_the_check_sees_an_upward_and_a_late_import(tmp_path, monkeypatch):
     "The parser finds what these tests look for (run on a made-up module)."
     fake = tmp_path / 'teachloop'
     fake.mkdir()
-    (fake / 'optimizer.py').write_text("from .learner import Learner\ndef f():\n    from teachloop.dashboard import x\n")
+    (fake / 'optim').mkdir()
+    (fake / 'optim' / 'core.py').write_text("from ..learner import Learner\ndef f():\n    from teachloop.dashboard.live import x\n")
     monkeypatch.setattr(__import__(__name__), 'PACKAGE', fake)
-    assert imported_teachloop_modules('optimizer') == [('learner', 1, True), ('dashboard', 3, False)]
+    assert imported_teachloop_modules('optim.core') == [('learner', 1, True), ('dashboard.live', 3, False)]
 
 
 def exported():
@@ -177,8 +193,8 @@ def example_params(optimizer_name):
 def exported_optimizer_callbacks():
     "Every callback that an exported optimizer of teachloop runs, found by building each one."
     import torch
-    from teachloop.optimizer import Optimizer, callback_function
-    from teachloop import optimizer, optimizers, recent_optimizers
+    from teachloop.optim.core import Optimizer, callback_function
+    from teachloop.optim import core as optimizer, more as optimizers, recent as recent_optimizers
     found = set()
     for module in (optimizer, optimizers, recent_optimizers):
         for public in module.__all__:
@@ -193,7 +209,7 @@ def exported_optimizer_callbacks():
 
 
 def test_every_optimizer_callback_declares_its_rules_multi_tensor_version_and_effective_lr():
-    from teachloop.optimizer import OPTIMIZER_CALLBACKS, callback_facts
+    from teachloop.optim.core import OPTIMIZER_CALLBACKS, callback_facts
     callbacks = exported_optimizer_callbacks()
     assert len(callbacks) >= 15 and callbacks <= set(OPTIMIZER_CALLBACKS)
     incomplete = {cb.__name__: callback_facts(cb).missing() for cb in callbacks if callback_facts(cb).missing()}
@@ -205,12 +221,12 @@ def test_every_optimizer_callback_declares_its_rules_multi_tensor_version_and_ef
         assert facts.effective_lr is None or callable(facts.effective_lr), cb.__name__
         # the rules cover every hyper-parameter the callback reads that has a rule anywhere
         reads = set(inspect.signature(cb).parameters)
-        from teachloop.optimizer import _hyper_rules
+        from teachloop.optim.core import _hyper_rules
         assert {h for h in reads if h in _hyper_rules} <= set(facts.hypers), cb.__name__
 
 
 def test_a_callback_without_a_declaration_is_reported_missing():
-    from teachloop.optimizer import callback_facts, declare_callback, OPTIMIZER_CALLBACKS
+    from teachloop.optim.core import callback_facts, declare_callback, OPTIMIZER_CALLBACKS
     def new_step(p, lr, **kwargs): p.add_(p.grad, alpha=-lr)
     assert callback_facts(new_step).missing() == ['hypers', 'multi_tensor', 'effective_lr']
     try:
@@ -218,3 +234,24 @@ def test_a_callback_without_a_declaration_is_reported_missing():
         assert callback_facts(new_step).missing() == ['hypers', 'multi_tensor']
         with pytest.raises(TypeError, match='unknown facts'): declare_callback(new_step, speed=1)
     finally: OPTIMIZER_CALLBACKS.pop(new_step, None)
+
+
+FINGERPRINT = """
+import importlib
+importlib.import_module('teachloop.{first}')
+from teachloop.learner import DEFAULT_CALLBACKS, Learner
+from teachloop.optim.core import FAST_STEP_PLANNERS, OPTIMIZER_CALLBACKS, callback_facts
+print(sorted(m.__name__ for m in DEFAULT_CALLBACKS))
+print([p.__module__ for p in FAST_STEP_PLANNERS])
+print(sorted(n for n in dir(Learner) if not n.startswith('__')))
+print(sorted((cb.__name__, callback_facts(cb).effective_lr is not None) for cb in OPTIMIZER_CALLBACKS))
+"""
+
+
+def test_what_a_module_adds_to_lower_ones_does_not_depend_on_the_import_order():
+    "The learner's default callbacks and methods, the fast steps, the effective-lr facts: the same whatever comes first."
+    seen = {first: subprocess.run([sys.executable, '-c', FINGERPRINT.format(first=first)], capture_output=True, text=True,
+                                  check=True).stdout
+            for first in ('core', 'learner', 'optim.core', 'callback.checkpoint', 'dashboard.live', 'all')}
+    assert len(set(seen.values())) == 1, {first: out[:300] for first, out in seen.items()}
+    assert "'Recorder'" in seen['core'] and 'fit_one_cycle' in seen['core'] and 'teachloop.optim.fast' in seen['core']

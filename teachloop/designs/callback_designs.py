@@ -13,9 +13,9 @@ from collections import namedtuple
 import torch
 from torch import nn
 
-from ..callbacks import Recorder
+from ..callback.core import Recorder
 from .callbacks_v1 import CallbackHandler, V1GradientClipping, V1Callback
-from ..checkpoint import EarlyStopping
+from ..callback.tracker import EarlyStopping
 from ..data import DataLoaders, digits_cnn, digits_dls
 from .event_filters import FuncCallback
 from .gluon_handlers import (BatchEnd, EarlyStoppingHandler, EpochEnd, Estimator, GradientClippingHandler,

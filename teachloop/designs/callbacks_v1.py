@@ -15,7 +15,7 @@ from fastcore.basics import patch
 from torch import nn
 
 from ..learner import Callback, CancelFitException, CancelTrainException, CancelValidException
-from ..schedule import annealing_linear, annealing_no
+from ..callback.schedule import annealing_linear, annealing_no
 
 # %% auto #0
 __all__ = ['V1_EVENTS', 'V1_STATE', 'V1Callback', 'overrides', 'check_handler_names', 'SmoothenValue', 'V1Stepper',

@@ -68,12 +68,20 @@ def free_port():
         return s.getsockname()[1]
 
 
-def wait_for(condition, what, timeout=PATIENCE):
-    "Poll `condition` until it returns something true, and return that; fail after `timeout` s (a hang)."
+def cell_error(page):
+    "The text of a traceback a cell of the page shows, or None."
+    shown = page.locator('.jp-OutputArea-output:has-text("Traceback (most recent call last)")')
+    return shown.first.inner_text()[-2000:] if shown.count() else None
+
+
+def wait_for(condition, what, timeout=PATIENCE, page=None):
+    "Poll `condition` until it returns something true, and return that; fail after `timeout` s (a hang), or at once"
+    " when `page` shows a cell's traceback (nothing would come then)."
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = condition()
         if value: return value
+        if page is not None and (error := cell_error(page)): raise AssertionError(f"a cell failed: {error}")
         time.sleep(0.2)
     raise AssertionError(f"no progress in {timeout} s waiting for {what}")
 
@@ -216,7 +224,7 @@ def test_dashboard_in_browser(jupyter):
         timings['run attempts'] = run_cell(page, 0)
 
         # (a) frames are drawn during the fit
-        first = wait_for(lambda: frame_count(page), 'the first frame')
+        first = wait_for(lambda: frame_count(page), 'the first frame', page=page)
         timings['first frame'] = time.monotonic() - start
         wait_for(lambda: frame_count(page) >= first + 2, 'two more frames')
         dashboard().screenshot(path=str(ARTIFACTS / f'{prefix}.png'))

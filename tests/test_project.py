@@ -116,3 +116,17 @@ def test_every_notebook_opens_with_what_it_teaches():
         first_text = next(cell for cell in nbformat.read(path, as_version=4).cells if cell.cell_type == 'markdown')
         if 'will be able to' not in first_text.source: missing.append(path.stem)
     assert missing == [], f"say in the first text cell what the reader will be able to do at the end: {missing}"
+
+
+def test_every_teachloop_module_that_a_notebook_or_script_imports_exists():
+    "Checked without running them: the course, the browser tests' notebooks and the benchmarks name modules that exist."
+    import importlib.util
+    import re
+    named = set()
+    for path in [*ROOT.glob('nbs/*.ipynb'), *ROOT.glob('tests/browser/*.ipynb'), *ROOT.glob('bench/*.py')]:
+        text = (''.join(c.source + '\n' for c in nbformat.read(path, as_version=4).cells if c.cell_type == 'code')
+                if path.suffix == '.ipynb' else path.read_text())
+        for module in re.findall(r'^\s*(?:from|import)\s+(teachloop(?:\.\w+)*)', text, re.MULTILINE):
+            named.add((module, path.name))
+    missing = sorted((path, module) for module, path in named if importlib.util.find_spec(module) is None)
+    assert len(named) > 100 and missing == []

@@ -22,7 +22,7 @@ def test_widgets_redraw_in_the_browser(jupyter):
         open_notebook(page, jupyter['url'], jupyter['front_end'])
         run_cell(page, 0)
         first = wait_for(lambda: page.locator('.tl-decay img').count() and image_source(page, '.tl-decay'),
-                         'the decay widget')
+                         'the decay widget', page=page)
         readout = page.locator('.tl-beta .widget-readout').inner_text()
         drag_slider_left(page, '.tl-beta', 60)
         wait_for(lambda: page.locator('.tl-beta .widget-readout').inner_text() != readout, 'beta to move')

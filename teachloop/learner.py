@@ -26,7 +26,7 @@ from .optim.core import Adam, Optimizer, check_hyper
 __all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'CancelBatchException', 'CancelBackwardException',
            'CancelStepException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
            'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'set_optimizer_mode',
-           'TrainEvalCallback', 'add_default_callbacks', 'default_splitter', 'Learner', 'callback_list',
+           'TrainEvalCallback', 'add_default_callbacks', 'OneProcess', 'default_splitter', 'Learner', 'callback_list',
            'check_fit_args', 'GatherPreds', 'check_state_matches', 'optimizer_with_state', 'restore_training_state',
            'EventLog']
 
@@ -121,6 +121,10 @@ class Callback:
                           stacklevel=2)
         object.__setattr__(self, attr, value)
 
+    def quieten(self):
+        "Stop showing or writing what is for the reader (in a process other than the first); return what undoes it, if anything."
+        return None
+
     def __repr__(self): return f"{type(self).__name__}()"
 
 # %% ../nbs/04_learner.ipynb #c013
@@ -155,6 +159,13 @@ def add_default_callbacks(*makes):
     for make in makes:  # by name: running a notebook's cell again defines the class again
         DEFAULT_CALLBACKS[:] = [m for m in DEFAULT_CALLBACKS if m.__name__ != make.__name__] + [make]
 
+
+# %% ../nbs/04_learner.ipynb #c013q
+class OneProcess:
+    "How a fit's callbacks combine values with other processes that train the same model (`learn.processes`): there are none."
+    several = False
+    def sum(self, tensor): return tensor
+    def any(self, flag): return bool(flag)
 
 # %% ../nbs/04_learner.ipynb #c015
 def default_splitter(model):
@@ -202,6 +213,7 @@ class Learner:
         self.training_module = None  # what training batches call instead of `model`: a wrapper of it (data-parallel training)
         self.cbs, self._event_tables, self.interrupts = [], ({}, {}), InterruptGate()
         self.stop_agreement = None  # how a request to stop reaches every process training together (notebook 15)
+        self.processes = OneProcess()  # replaced while several processes train together (notebook 15)
         self._events = {}
         self.add_cbs([make() for make in DEFAULT_CALLBACKS] if default_cbs else [TrainEvalCallback()])
         self.add_cbs(cbs or [])

@@ -377,21 +377,31 @@ def quiet_except_rank_zero():
     learn.progress.show_bar = learn.progress.print_rows = True
     seen = []
     class Look(Callback):
-        def after_epoch(self): seen.append((self.learn.progress.show_bar, self.learn.progress.print_rows))
+        def after_epoch(self): seen.append((self.learn.progress.show_bar, self.learn.progress.print_rows, shout.loud,
+                                            self.learn.processes.several))
+    class Shout(Callback):  # a user's callback that shows something takes part by saying how to quieten it
+        loud = True
+        def quieten(self):
+            self.loud = False
+            return lambda: setattr(self, 'loud', True)
+    shout = Shout()
+    learn.add_cbs([shout])
     with learn.distributed():
         learn.fit(1, cbs=[Look()])
         valid = learn.validate()  # outside a fit, in the block: each rank its shard, summed
         weights = [p.clone() for p in learn.model.parameters()]
         try: learn.fit(1, cbs=[TerminateOnNaN()])
         except ValueError as e: refused = str(e) if all(torch.equal(a, b) for a, b in zip(weights, learn.model.parameters())) else None
-    return seen, (learn.progress.show_bar, learn.progress.print_rows), valid, learn.validate(), refused
+    return (seen, (learn.progress.show_bar, learn.progress.print_rows, shout.loud, learn.processes.several), valid,
+            learn.validate(), refused)
 
 
 def test_only_rank_zero_shows_progress_and_rows_and_validate_sums_the_shards():
     "And a callback that would stop one rank on its own loss is refused before the fit changes anything."
     ranks = run_ranks(quiet_except_rank_zero, **FORK)
     assert all('TerminateOnNaN would stop the fit' in rank[4] for rank in ranks)
-    assert ranks[0][:2] == ([(True, True)], (True, True)) and ranks[1][:2] == ([(False, False)], (True, True))
+    assert ranks[0][:2] == ([(True, True, True, True)], (True, True, True, False))
+    assert ranks[1][:2] == ([(False, False, False, True)], (True, True, True, False))
     # after the block each rank validates on the whole set alone: the same numbers, to float32's rounding
     assert ranks[0][2] == ranks[1][2] and all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(ranks[0][2], ranks[0][3]))
 

@@ -112,7 +112,6 @@ class Recorder(Callback):
     order, observes = 50, True
     def __init__(self, beta=0.98):
         self.beta = beta
-        self.sum_over_processes = None  # a function summing a tensor over the processes that train together, if several do
         self.reset()
 
     def reset(self):
@@ -157,7 +156,7 @@ class Recorder(Callback):
 
     def after_validate(self):
         per_metric = list(zip(*self._valid_metrics)) or [[] for _ in self.learn.metrics]
-        if self.sum_over_processes is not None: values = self._means_over_processes([self._valid_losses, *per_metric])
+        if self.learn.processes.several: values = self._means_over_processes([self._valid_losses, *per_metric])
         else:
             values = [_weighted_mean(self._valid_losses, self._valid_sizes)]
             values += [_weighted_mean(list(m), self._valid_sizes) for m in per_metric]
@@ -168,7 +167,7 @@ class Recorder(Callback):
         "Each column's mean weighted by batch size over the validation batches of every process (each had a shard)."
         sizes = torch.tensor(self._valid_sizes, dtype=torch.float64)
         sums = [(_stack(c).double().cpu() * sizes).sum() if c else torch.zeros((), dtype=torch.float64) for c in columns]
-        totals = self.sum_over_processes(torch.stack(sums + [sizes.sum()]))
+        totals = self.learn.processes.sum(torch.stack(sums + [sizes.sum()]))
         return list((totals[:-1] / totals[-1]).unbind())
 
     def after_epoch(self):
@@ -265,6 +264,12 @@ class ProgressCallback(Callback):
     order, observes = 60, True
     def __init__(self, show_bar=True, print_rows=True):
         self.show_bar, self.print_rows, self.bar = show_bar, print_rows, None
+
+    def quieten(self):
+        shown = self.show_bar, self.print_rows
+        self.show_bar = self.print_rows = False
+        def show_again(): self.show_bar, self.print_rows = shown
+        return show_again
 
     def before_fit(self): self._header_done = False
     def before_train(self): self._open(f"epoch {self.epoch + 1}/{self.n_epoch} train")

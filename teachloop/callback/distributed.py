@@ -25,11 +25,11 @@ from fastcore.basics import patch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
-from .core import Recorder, accuracy
+from .core import accuracy
 from ..core import check_count, process_rank, several_processes
 from ..data import DataLoaders, digits_cnn, load_digits_tensors, tensor_dls
 from .faults import TerminateOnNaN
-from ..learner import Callback, CancelFitException, Learner
+from ..learner import Callback, CancelFitException, Learner, OneProcess
 from .nan_capture import NaNCapture
 from ..optim.core import SGD
 from ..random_state import set_seed
@@ -37,10 +37,10 @@ from .schedule import LRFinder, fit_one_cycle  # the import adds `Learner.fit_on
 
 # %% auto #0
 __all__ = ['process_count', 'init_distributed', 'free_port', 'RankFailed', 'run_ranks', 'all_reduce_demo', 'ShardSampler',
-           'check_shardable', 'shard_loader', 'shard_dls', 'sum_over_processes', 'any_process', 'check_world',
-           'DistributedTrainer', 'RanksDisagree', 'digits_fit', 'digits_bn_cnn', 'DifferentiableSum', 'global_moments',
-           'GlobalBatchNorm', 'batch_norm_layers', 'check_batch_norms', 'synced_copy', 'swap_batch_norms',
-           'PoisonBatch', 'nan_on_one_rank']
+           'check_shardable', 'shard_loader', 'shard_dls', 'sum_over_processes', 'any_process', 'ProcessGroup',
+           'check_world', 'DistributedTrainer', 'RanksDisagree', 'digits_fit', 'digits_bn_cnn', 'DifferentiableSum',
+           'global_moments', 'GlobalBatchNorm', 'batch_norm_layers', 'check_batch_norms', 'synced_copy',
+           'swap_batch_norms', 'PoisonBatch', 'nan_on_one_rank']
 
 # %% ../../nbs/15_distributed.ipynb #c005
 def process_count():
@@ -211,6 +211,13 @@ def any_process(flag, group=None):
     dist.all_reduce(found, op=dist.ReduceOp.MAX, group=group)
     return bool(found.item())
 
+class ProcessGroup:
+    "The processes of a torch.distributed `group` as a fit's callbacks see them (`learn.processes`, notebook 04)."
+    several = True
+    def __init__(self, group=None): self.group = group
+    def sum(self, tensor): return sum_over_processes(tensor, self.group)
+    def any(self, flag): return any_process(flag, self.group)
+
 def check_world():
     "Raise `ValueError` if the environment says several processes train together but this one has not joined them."
     expected = int(os.environ.get('WORLD_SIZE', '1'))
@@ -266,7 +273,6 @@ class DistributedTrainer(Callback):
         self.learn.training_module, self._ddp_clean = self._ddp, False
         self.learn.interrupts.defer = self._defer_interrupt  # a Ctrl-C noted after this callback's `after_batch`
         if self.world_size > 1: self.learn.stop_agreement = self._request_stop  # a stop request reaches every rank too
-        self._set_hooks(any_process=partial(any_process, group=self._host_group))
 
     def before_validate(self):
         if not self._joined: self._agree_on('validate')  # `learn.validate()` or `get_preds` in the block, outside a fit
@@ -303,14 +309,14 @@ class DistributedTrainer(Callback):
         self._ddp_clean = not self.learn.training
 
     def cleanup_fit(self):
-        self._set_hooks(sum_over_processes=None, any_process=None)
+        self.learn.processes = OneProcess()
         self.learn.training_module, self.learn.interrupts.defer, self._joined = None, None, False
         self.learn.stop_agreement = None
         self._reset_messages()  # a fit ended by an error may leave a message the other ranks will never answer
 
     def restore_shown(self):
         "Give back to the callbacks quietened in ranks other than 0 what they showed or saved (when the block ends)."
-        for cb, attr, value in self._quietened: setattr(cb, attr, value)
+        for _, show_again in self._quietened: show_again()
         self._quietened = []
 
     def restore_batch_norms(self):
@@ -399,13 +405,13 @@ def _flush(self:DistributedTrainer):
 
 @patch
 def _join(self:DistributedTrainer):
-    "Once per fit (or validation): this rank and the world's size, the group for host values, the Recorder's hook."
+    "Once per fit (or validation): this rank and the world's size, the group for host values, the learner's processes."
     if self._joined: return
     self._joined, self.rank, self.world_size = True, process_rank(), process_count()
     self.distributed = dist.is_available() and dist.is_initialized()  # a world of 1 with a group trains through DDP too
     if self.rank != 0: self._quieten()
     if not self.distributed: return
-    self._set_hooks(sum_over_processes=partial(sum_over_processes, group=self._host()))
+    self.learn.processes = ProcessGroup(self._host())
 
 @patch
 def _host(self:DistributedTrainer):
@@ -441,25 +447,13 @@ def _disagreement(actions):
             "validate on every rank, or after the block (each rank then validates the whole set alone); fit on every rank")
 
 @patch
-def _set_hooks(self:DistributedTrainer, **hooks):
-    "Set the hooks of the Recorder (`sum_over_processes`) and of NaNCapture (`any_process`) that this learner has."
-    for cb in self.learn.cbs:
-        for name, value in hooks.items():
-            if isinstance(cb, (Recorder, NaNCapture)) and name in vars(cb): setattr(cb, name, value)
-
-# What a callback shows or writes for the reader, and the value that switches it off: the progress bar's bar and rows,
-# a dashboard's live display and saved picture (read as attributes: the dashboard's module is above this one).
-_SHOWN = {'show_bar': False, 'print_rows': False, 'live': False, 'save_path': None}
-
-@patch
 def _quieten(self:DistributedTrainer):
-    "Switch off the bars, rows, live displays and saved pictures of this rank's callbacks (not rank 0's)."
-    done = {(id(cb), attr) for cb, attr, _ in self._quietened}
+    "Ask this rank's callbacks to show and write nothing for the reader (ranks other than 0), each once until the block ends."
+    asked = {id(cb) for cb, _ in self._quietened}
     for cb in self.learn.cbs:
-        for attr, off in _SHOWN.items():
-            if attr in vars(cb) and (id(cb), attr) not in done:
-                self._quietened.append((cb, attr, getattr(cb, attr)))
-                setattr(cb, attr, off)
+        if id(cb) in asked: continue
+        show_again = cb.quieten()
+        if show_again is not None: self._quietened.append((cb, show_again))
 
 # %% ../../nbs/15_distributed.ipynb #c024
 @patch
@@ -481,6 +475,7 @@ def distributed(self:Learner,
         finally:
             self.dls = own
             callback.restore_shown()  # after the fits' last events: a dashboard saves its picture in `cleanup_fit`
+            self.processes = OneProcess()  # also after a validation alone in the block, which ends with no `cleanup_fit`
             callback.restore_batch_norms()
 
 # %% ../../nbs/15_distributed.ipynb #c026

@@ -138,7 +138,6 @@ class NaNCapture(Callback):
         self.path = self._capture_path()
         self.check_every, self.rngs, self.sync_free = check_every, rngs, sync_free
         self.name, self.captured, self._readers, self._pending = 'nan_capture', None, rng_readers(), None
-        self.any_process = None  # when several processes train together: whether any of them found a non-finite gradient
 
     @property
     def step_rngs(self):
@@ -196,7 +195,8 @@ class NaNCapture(Callback):
         if not grads: return
         if self._async_check is None:
             finite = self._check(grads)
-            if self.any_process is not None: finite = not self.any_process(not finite)
+            processes = self.learn.processes  # several train together: did any of them find a non-finite gradient?
+            if processes.several: finite = not processes.any(not finite)
             if not finite: self._capture(nonfinite_grads(self._named))
             return
         if self._pending is not None: return  # the previous answer is still on its way: no second copy, no waiting

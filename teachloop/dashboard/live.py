@@ -328,3 +328,12 @@ def load_state_dict(self:TrainingDashboard, state):
     self.elr_history = {name: [tuple(row) for row in rows.tolist()] for name, rows in state['effective_lr'].items()}
     self._smoother.average, self._smoother.count = state['smoother']
     self._first_step, self.epoch_ends = state['first_step'], list(state['epoch_ends'])
+
+# %% ../../nbs/11_dashboard.ipynb #c055
+@patch
+def quieten(self:TrainingDashboard):
+    "No live display and no saved picture (a process other than the first); the returned function puts them back."
+    shown = self.live, self.save_path
+    self.live, self.save_path = False, None
+    def show_again(): self.live, self.save_path = shown
+    return show_again

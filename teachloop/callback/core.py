@@ -253,12 +253,13 @@ def plot_sched(self:Recorder, keys=('lr', 'mom'), axs=None):
     return axs
 
 
-# %% ../../nbs/05_callbacks.ipynb #c018
+# %% ../../nbs/05_callbacks.ipynb #c018f
 def format_row(row, widths):
     "One row of the epoch table: numbers right-aligned in columns of `widths`, the last one (the time) in seconds."
     return '  '.join(f"{v:>{w}.6f}" if isinstance(v, float) and i < len(row) - 1 else
                      (f"{v:>{w}.1f}s" if isinstance(v, float) else f"{v:>{w}}") for i, (v, w) in enumerate(zip(row, widths)))
 
+# %% ../../nbs/05_callbacks.ipynb #c018
 class ProgressCallback(Callback):
     "A tqdm bar for each training and validation phase, and a table row per epoch."
     order, observes = 60, True

@@ -47,7 +47,6 @@ KNOWN_LONG = {
 # Library names a lesson imports before the notebook that defines them.
 KNOWN_EARLY = {
     '02_momentum': {'Nesterov'},
-    '03_training_story': {'Callback', 'Learner', 'accuracy', 'quiet', 'smooth_values'},
     '04_learner': {'norm_and_bias_params'},
     '05_callbacks': {'ScheduleFreeAdamW', 'recompute_batchnorm'},
     '07a_recent_optimizers': {'callback_key', 'fused_patterns', 'multi_tensor_version_of', 'per_step_count'},

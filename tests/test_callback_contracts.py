@@ -40,7 +40,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import teachloop
 import teachloop.all  # noqa: F401  (every notebook's Learner methods added)
-from teachloop.callback.core import (BatchNormAtAverage, DeviceCallback, GradientAccumulation, MixedPrecision,
+from teachloop.callback.schedule_free import BatchNormAtAverage
+from teachloop.callback.core import (DeviceCallback, GradientAccumulation, MixedPrecision,
                                  ProgressCallback, Recorder)
 from teachloop.callback.checkpoint import Checkpoint
 from teachloop.callback.tracker import EarlyStopping, ReduceLROnPlateau, SaveModel, TrackerCallback

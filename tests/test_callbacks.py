@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from teachloop.callback.core import (BatchNormAtAverage, DeviceCallback, GradientAccumulation, MixedPrecision, Recorder, hypers_read,
+from teachloop.callback.schedule_free import BatchNormAtAverage
+from teachloop.callback.core import (DeviceCallback, GradientAccumulation, MixedPrecision, Recorder, hypers_read,
                                  smooth_values, smoothing_window)
 from teachloop.callback.checkpoint import Checkpoint, read_checkpoint
 from teachloop.data import DataLoaders

@@ -48,7 +48,6 @@ KNOWN_LONG = {
 KNOWN_EARLY = {
     '02_momentum': {'Nesterov'},
     '04_learner': {'norm_and_bias_params'},
-    '05_callbacks': {'ScheduleFreeAdamW', 'recompute_batchnorm'},
     '07a_recent_optimizers': {'callback_key', 'fused_patterns', 'multi_tensor_version_of', 'per_step_count'},
 }
 

@@ -342,7 +342,7 @@ def test_recompute_batchnorm_averages_the_batches_and_leaves_the_model_as_it_was
 
 
 def test_batchnorm_at_average_acts_only_with_an_optimizer_that_has_eval():
-    from teachloop.callback.core import BatchNormAtAverage
+    from teachloop.callback.schedule_free import BatchNormAtAverage
     from teachloop.optim.core import Adam
     from teachloop.testing import digits_learner
     def bn_model():

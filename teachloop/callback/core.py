@@ -20,13 +20,11 @@ from fastcore.basics import patch
 
 from ..learner import Callback, add_default_callbacks
 from ..random_state import loader_generators, rng_states, set_rng_states
-from ..optim.recent import recompute_batchnorm
 from ..optim.core import Optimizer
 
 # %% auto #0
 __all__ = ['state_to_params_devices', 'DeviceCallback', 'accuracy', 'smooth_values', 'hypers_read', 'Recorder',
-           'smoothing_window', 'format_row', 'ProgressCallback', 'StepUndo', 'MixedPrecision', 'BatchNormAtAverage',
-           'GradientAccumulation']
+           'smoothing_window', 'format_row', 'ProgressCallback', 'StepUndo', 'MixedPrecision', 'GradientAccumulation']
 
 # %% ../../nbs/05_callbacks.ipynb #c004
 def state_to_params_devices(opt):
@@ -425,32 +423,6 @@ class MixedPrecision(Callback):
     def _leave_autocast(self):
         if self._autocast is not None: self._autocast.__exit__(None, None, None)
         self._autocast = None
-
-# %% ../../nbs/05_callbacks.ipynb #b02
-def _tracked_batch_norms(model):
-    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats for m in model.modules())
-
-@contextmanager
-def _random_states_kept(dl):
-    "A block after which every random generator, and those deciding `dl`'s order, are as they were before it."
-    rng, loader = rng_states(), [(g, g.get_state()) for g in loader_generators(dl)]
-    try: yield
-    finally:
-        set_rng_states(rng, warn=False)  # read on this machine a moment ago: every one of them fits
-        for generator, state in loader: generator.set_state(state)
-
-class BatchNormAtAverage(Callback):
-    "Before each validation, recompute BatchNorm statistics at the weights an optimizer with `eval()` put in the model."
-    order = -9  # right after TrainEvalCallback (-10), which switched model and optimizer to evaluation
-    def __init__(self, n_batches=50):  # training batches to measure the statistics on
-        check_count('n_batches', n_batches)
-        self.n_batches = n_batches
-    def before_validate(self):
-        if not callable(getattr(self.opt, 'eval', None)) or not _tracked_batch_norms(self.model): return
-        device = next(self.model.parameters()).device
-        with _random_states_kept(self.dls.train):  # later epochs draw the batches and dropout they draw without it
-            inputs = (to_device(tuple(batch[:-1]), device) for batch in self.dls.train)
-            recompute_batchnorm(self.model, inputs, self.n_batches)
 
 # %% ../../nbs/05_callbacks.ipynb #g02
 class GradientAccumulation(Callback):

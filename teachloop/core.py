@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['default_device', 'to_device', 'check_save_path', 'check_save_folder', 'atomic_save', 'process_rank',
+__all__ = ['default_device', 'to_device', 'check_save_path', 'check_save_folder', 'atomic_save', 'process_rank', 'process_count',
            'several_processes', 'written_by_rank_zero', 'InterruptGate', 'check_count', 'check_mode']
 
 # %% ../nbs/00a_core.ipynb #c005
@@ -84,6 +84,11 @@ def process_rank():
     "This process's rank among the processes training together under torch.distributed; 0 when it trains alone."
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     return torch.distributed.get_rank() if distributed else 0
+
+def process_count():
+    "How many processes train together under torch.distributed (the world size); 1 when this one trains alone."
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    return torch.distributed.get_world_size() if distributed else 1
 
 def several_processes():
     "Whether this process trains together with others under torch.distributed (a world of more than 1)."

@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from .core import accuracy
-from ..core import check_count, process_rank, several_processes
+from ..core import check_count, process_count, process_rank, several_processes
 from ..data import DataLoaders, digits_cnn, load_digits_tensors, tensor_dls
 from .faults import TerminateOnNaN
 from ..learner import Callback, CancelFitException, Learner, OneProcess
@@ -36,17 +36,13 @@ from ..random_state import set_seed
 from .schedule import LRFinder, fit_one_cycle  # the import adds `Learner.fit_one_cycle`, which `digits_fit` uses
 
 # %% auto #0
-__all__ = ['process_count', 'init_distributed', 'free_port', 'RankFailed', 'run_ranks', 'all_reduce_demo', 'ShardSampler',
-           'check_shardable', 'shard_loader', 'shard_dls', 'sum_over_processes', 'any_process', 'ProcessGroup',
-           'check_world', 'DistributedTrainer', 'RanksDisagree', 'digits_fit', 'digits_bn_cnn', 'DifferentiableSum',
-           'global_moments', 'GlobalBatchNorm', 'batch_norm_layers', 'check_batch_norms', 'synced_copy',
-           'swap_batch_norms', 'PoisonBatch', 'nan_on_one_rank']
+__all__ = ['init_distributed', 'free_port', 'RankFailed', 'run_ranks', 'all_reduce_demo', 'ShardSampler', 'check_shardable',
+           'shard_loader', 'shard_dls', 'sum_over_processes', 'any_process', 'ProcessGroup', 'check_world',
+           'DistributedTrainer', 'RanksDisagree', 'digits_fit', 'digits_bn_cnn', 'DifferentiableSum', 'global_moments',
+           'GlobalBatchNorm', 'batch_norm_layers', 'check_batch_norms', 'synced_copy', 'swap_batch_norms',
+           'PoisonBatch', 'nan_on_one_rank']
 
 # %% ../../nbs/15_distributed.ipynb #c005
-def process_count():
-    "How many processes train together under torch.distributed (the world size); 1 when this one trains alone."
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
 def init_distributed(backend=None,  # 'gloo' (CPUs) or 'nccl' (GPUs); None: nccl when there is a GPU, else gloo
                      timeout=300.,  # seconds a collective waits for the other processes before it fails
                     ):

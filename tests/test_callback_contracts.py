@@ -28,6 +28,7 @@ import math
 import os
 import pkgutil
 import signal
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable
@@ -435,31 +436,34 @@ def test_under_two_processes_the_fit_works_or_is_refused_before_it_starts(name, 
 
 
 class StopRequestedInRankZero(Callback):
-    "What a dashboard does in the process that shows it: a slider moved at training step 1, the stop button at `at`."
+    "What a dashboard does in the process that shows it: a slider moved and a pause at step 1, the stop button `at`."
     order = 80
-    def __init__(self, at): self.at = at
+    def __init__(self, at): self.at = at  # ('train', steps done) or ('valid', the epoch whose validation)
     def after_batch(self):
-        if not self.training or torch.distributed.get_rank() != 0: return
-        if self.train_iter == 1: self.learn.steering.controls.set_hyper('lr', 0.5)
-        if self.train_iter == self.at: self.learn.steering.controls.stop()
+        if torch.distributed.get_rank() != 0: return
+        controls = self.learn.steering.controls
+        if self.training and self.train_iter == 1: controls.set_hyper('lr', 0.5); controls.pause()
+        if (('train', self.train_iter) if self.training else ('valid', self.epoch)) == self.at: controls.stop()
 
 
-def stop_requested_in_rank_zero(folder):
-    learn = small_learner('SteeringCallback', folder, bs=4, extra=[StopRequestedInRankZero(2)])
-    with pytest.warns(UserWarning, match='not applied: several processes train together') if dist_rank() == 0 else \
-            contextlib.nullcontext():
-        with learn.distributed(sync_bn=True): learn.fit(2)  # BatchNorm's statistics alike in both ranks too
-    return learn.train_iter, learn.model.state_dict(), learn.opt.hypers[0]['lr']
-
-
-def dist_rank(): return torch.distributed.get_rank()
+def stop_requested_in_rank_zero(folder, at):
+    learn = small_learner('SteeringCallback', folder, bs=4, extra=[StopRequestedInRankZero(at)])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        with learn.distributed(sync_bn=True): learn.fit(3)  # BatchNorm's statistics alike in both ranks too
+    said = sorted({str(w.message).split(':')[0] for w in caught if 'several processes train together' in str(w.message)})
+    return learn.train_iter, learn.model.state_dict(), learn.opt.hypers[0]['lr'], said
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-def test_a_stop_requested_in_one_rank_stops_every_rank_after_the_same_batch(tmp_path):
-    "Requested after step 2 in rank 0, the stop rides with the next message (the epoch's last step, the 4th): both stop."
-    (steps0, model0, lr0), (steps1, model1, lr1) = run_ranks(stop_requested_in_rank_zero, tmp_path, world_size=2,
-                                                             start_method='fork', timeout=15)
-    assert steps0 == steps1 == 4
+@pytest.mark.parametrize('at, steps', [(('train', 2), 4), (('valid', 0), 4)])
+def test_a_stop_requested_in_one_rank_stops_every_rank_after_the_same_batch(at, steps, tmp_path):
+    "Requested after step 2, the stop rides with the next message (the epoch's last step, the 4th); requested during"
+    " the first validation, it is exchanged before the second epoch: both ranks stop there, neither trains on."
+    (steps0, model0, lr0, said0), (steps1, model1, lr1, said1) = run_ranks(
+        partial(stop_requested_in_rank_zero, at=at), tmp_path, world_size=2, start_method='fork', timeout=15)
+    assert steps0 == steps1 == steps
     assert all(torch.equal(model0[k], model1[k]) for k in model0) and lr0 == lr1 == 0.02  # the slider's lr: in no rank
+    assert said0 == ['a pause is not applied while several processes train together',
+                     "hyper-parameter requests {'lr'"] and said1 == []

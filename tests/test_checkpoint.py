@@ -588,11 +588,17 @@ def test_a_resume_may_leave_out_an_observer_with_a_state_but_not_a_callback_that
     straight = digits_learner()
     straight.fit(3)
     watched = digits_learner()
-    watched.fit(3, cbs=[Checkpoint(tmp_path / 'watched'), TrackerCallback('valid_loss', 'min'), StopAfterEpoch(0)])
+    watched.fit(3, cbs=[Checkpoint(tmp_path / 'watched'), SaveModel('valid_loss', 'min', tmp_path / 'best.pt'),
+                        TrackerCallback('valid_loss', 'min'), StopAfterEpoch(0)])
     state = read_checkpoint(tmp_path / 'watched' / 'latest.pt')
-    assert {'checkpoint', 'tracker'} <= set(state['callbacks']) and set(state['observers']) == {'checkpoint', 'tracker'}
+    # a tracker of the user's own may act on what it tracks: only SaveModel says it only watches
+    assert set(state['callbacks']) == {'checkpoint', 'save_model', 'tracker'}
+    assert set(state['observers']) == {'checkpoint', 'save_model'}
+    with pytest.raises(ValueError, match=r"\['tracker'\], which this fit lacks"):
+        digits_learner().fit(3, resume=tmp_path / 'watched' / 'latest.pt')
     resumed = digits_learner()
-    resumed.fit(3, resume=tmp_path / 'watched' / 'latest.pt')  # neither of them: the same fit
+    resumed.fit(3, cbs=[TrackerCallback('valid_loss', 'min')], resume=tmp_path / 'watched' / 'latest.pt')
+    # neither Checkpoint nor SaveModel: the same fit
     assert weights_equal(resumed, straight)
 
     stopping = digits_learner()
@@ -642,3 +648,49 @@ def test_an_error_inside_a_batch_leaves_the_learner_and_its_file_at_the_batchs_s
     assert weights_equal(failed, before)
     saved = read_checkpoint(tmp_path / 'interrupted.pt')['model']
     assert all(torch.equal(saved[k], v) for k, v in before.model.state_dict().items())
+
+
+def test_the_same_callback_in_another_folder_or_a_later_fit_leaves_the_earlier_files(tmp_path):
+    "Files are removed only by the fit that wrote them (or one resumed from it, in the same folder)."
+    cb = Checkpoint(tmp_path / 'one', keep=2)
+    learn = digits_learner()
+    with pytest.raises(KeyboardInterrupt): learn.fit(4, cbs=[cb, CtrlCAt(2, 3)])
+    cb.folder = tmp_path / 'two'  # resumed into another folder, with the same callback: the first folder's files stay
+    learn.fit(4, cbs=[cb], resume=tmp_path / 'one' / 'interrupted.pt')
+    assert sorted(p.name for p in (tmp_path / 'one').glob('epoch-*.pt')) == ['epoch-001.pt', 'epoch-002.pt']
+    assert sorted(p.name for p in (tmp_path / 'two').glob('epoch-*.pt')) == ['epoch-003.pt', 'epoch-004.pt']
+    cb.folder = tmp_path / 'three'  # a new fit: its own files only
+    learn.fit(3, cbs=[cb])
+    assert sorted(p.name for p in (tmp_path / 'two').glob('epoch-*.pt')) == ['epoch-003.pt', 'epoch-004.pt']
+    assert sorted(p.name for p in (tmp_path / 'three').glob('epoch-*.pt')) == ['epoch-002.pt', 'epoch-003.pt']
+
+
+def lazy_bn_cnn():
+    return nn.Sequential(nn.LazyConv2d(8, 3, padding=1), nn.LazyBatchNorm2d(), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.LazyLinear(10))
+
+
+def test_a_model_with_lazy_batchnorm_fits_with_a_checkpoint_and_an_error_leaves_its_start(tmp_path):
+    before = digits_learner(model_fn=lazy_bn_cnn)
+    with pytest.raises(KeyboardInterrupt): before.fit(1, cbs=[CtrlCAt(0, 5)])
+    failed = digits_learner(model_fn=lazy_bn_cnn)
+    with pytest.raises(RuntimeError, match='played'): failed.fit(1, cbs=[Checkpoint(tmp_path), FailAfterForward(5)])
+    assert weights_equal(failed, before)
+
+
+class FailInValidation(Callback):
+    def after_pred(self):
+        if not self.training: raise RuntimeError('failed validation (played)')
+
+
+def test_an_error_in_a_later_validation_leaves_the_model_and_the_interrupted_file_alone(tmp_path):
+    learn = digits_learner(model_fn=bn_cnn)
+    cb = Checkpoint(tmp_path)
+    learn.add_cbs([cb])
+    with pytest.raises(RuntimeError, match='played'): learn.fit(2, cbs=[FailAfterForward(5)])
+    written = (tmp_path / 'interrupted.pt').read_bytes()
+    with torch.no_grad(): learn.model[1].running_mean.fill_(3.)  # the user's change after the failed fit
+    learn.add_cbs([FailInValidation()])
+    with pytest.raises(RuntimeError, match='played'): learn.validate()
+    assert torch.equal(learn.model[1].running_mean, torch.full((8,), 3.))
+    assert (tmp_path / 'interrupted.pt').read_bytes() == written

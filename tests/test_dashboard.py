@@ -615,3 +615,20 @@ def test_keep_steered_keeps_the_sliders_values_for_the_next_fit():
     learn.fit(1)
     assert set(learn.recorder.lrs) == {0.5}
     with pytest.raises(TypeError, match='keep_steered'): SteeringCallback(keep_steered='yes')
+
+
+def test_a_resumed_fit_counts_its_remaining_batches_from_where_it_resumed(tmp_path):
+    "The time left is estimated over the batches this call will run, not over the whole fit from its first epoch."
+    from teachloop.callback.checkpoint import Checkpoint
+    from teachloop.learner import Callback
+    from teachloop.testing import digits_learner
+    class CtrlCInEpoch1(Callback):
+        def before_batch(self):
+            if self.training and (self.epoch, self.iter) == (1, 3): raise KeyboardInterrupt
+    first = digits_learner()
+    with pytest.raises(KeyboardInterrupt): first.fit(3, cbs=[Checkpoint(tmp_path), CtrlCInEpoch1()])
+    resumed = digits_learner()
+    dashboard = TrainingDashboard(live=False)
+    resumed.fit(3, cbs=[dashboard], resume=tmp_path / 'interrupted.pt')
+    per_epoch = len(resumed.dls.train) + len(resumed.dls.valid)
+    assert dashboard.batches_done == dashboard._total == 2 * per_epoch - 3

@@ -313,7 +313,7 @@ class Checkpoint(Callback):
         self.every_n_epochs, self.keep = every_n_epochs, keep
         self.epoch_start, self._in_step, self._ended, self._written = None, False, False, []
         self._read_rng, self.batch_boundary = rng_readers(host=False), None
-        self._in_batch, self._stats, self._stats_at_start = False, [], []
+        self._in_batch, self._stats, self._stats_at_start = False, [], None
 
     @property
     def latest(self): return self.folder / 'latest.pt'
@@ -321,8 +321,8 @@ class Checkpoint(Callback):
     def before_fit(self):
         self.folder = check_save_folder(self.folder, 'Checkpoint folder')  # again: it may have changed since
         self._in_step, self._ended, self.batch_boundary, self._in_batch = False, False, None, False
-        self._stats = [b for _, m in running_stat_layers(self.model) for b in m.buffers(recurse=False)]
-        self._stats_at_start = [b.clone() for b in self._stats]
+        self._written = []  # files of an earlier fit stay; a resume gives back those of the fit it continues
+        self._stats, self._stats_at_start = [], None
     def before_train(self):
         rng = self._random_states()
         self.epoch_start = {'epoch': self.epoch, 'train': [g.get_state() for g in loader_generators(self.dls.train)],
@@ -331,7 +331,13 @@ class Checkpoint(Callback):
     def before_batch(self):
         if not self.learn.training: return
         self._in_batch = True
+        if self._stats_at_start is None: self._keep_stats()
         if self._stats: torch._foreach_copy_(self._stats_at_start, self._stats)  # its forward will update them
+    def _keep_stats(self):
+        "Room for BatchNorm's running statistics (once a lazy layer has made its own, in its first forward)."
+        stats = [b for _, m in running_stat_layers(self.model) for b in m.buffers(recurse=False)]
+        if any(torch.nn.parameter.is_lazy(b) for b in stats): return
+        self._stats, self._stats_at_start = stats, [b.clone() for b in stats]
     def before_step(self): self._in_step = True
     def after_batch(self):
         self._in_step = self._in_batch = False
@@ -349,6 +355,7 @@ class Checkpoint(Callback):
         # ... and its forward updated BatchNorm's running statistics: the model goes back to the batch's start
         if self._in_batch and self._stats:
             with torch.no_grad(): torch._foreach_copy_(self._stats, self._stats_at_start)
+        self._in_batch, self._ended = False, True  # a later error (a validation alone) finds nothing of this fit's to do
         if process_rank() != 0: return
         path = self.learn.save_checkpoint(self.folder / 'interrupted.pt', rng)
         call, condition = resume_call(self.n_epoch, path, [s.fit_call for s in fit_schedules(self.learn)])
@@ -379,5 +386,6 @@ class Checkpoint(Callback):
 
     def load_state_dict(self, state):
         # files in another folder than this callback's are not its own: it leaves them alone
-        if state['folder'] == str(self.folder.resolve()): self._written = [self.folder / n for n in state['written']]
+        same = state['folder'] == str(self.folder.resolve())
+        self._written = [self.folder / n for n in state['written']] if same else []
 

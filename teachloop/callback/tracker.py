@@ -18,7 +18,7 @@ __all__ = ['TrackerCallback', 'SaveModel', 'EarlyStopping', 'ReduceLROnPlateau']
 # %% ../../nbs/13a_trackers.ipynb #c028
 class TrackerCallback(Callback):
     "Follow the recorded value `monitor` at each epoch's end: `best` so far, `improved`, `wait` epochs since."
-    order, observes = 55, True
+    order = 55
     def __init__(self,
                  monitor,  # a name from `learn.recorder.metric_names`: 'valid_loss', 'train_loss', a metric
                  mode,  # 'min' if lower is better, 'max' if higher is better
@@ -54,6 +54,7 @@ class TrackerCallback(Callback):
 # %% ../../nbs/13a_trackers.ipynb #c030
 class SaveModel(TrackerCallback):
     "Save the model's weights to `path` whenever `monitor` improves."
+    observes = True  # a resume may leave it out: its best value and its file do not change the fit
     def __init__(self, monitor, mode, path, min_delta=0.):
         super().__init__(monitor, mode, min_delta)
         self.path = check_save_path(path, 'model.pt', 'SaveModel path')
@@ -70,7 +71,6 @@ class SaveModel(TrackerCallback):
 
 class EarlyStopping(TrackerCallback):
     "Stop the fit after `patience` epochs without improvement of `monitor`; optionally end with the best weights."
-    observes = False
     def __init__(self, monitor, mode, patience=1, min_delta=0., restore_best=True):
         super().__init__(monitor, mode, min_delta)
         check_count('patience', patience)
@@ -98,7 +98,6 @@ class EarlyStopping(TrackerCallback):
 
 class ReduceLROnPlateau(TrackerCallback):
     "Multiply the learning rates by `factor` after `patience` epochs without improvement of `monitor`."
-    observes = False
     def __init__(self, monitor, mode, patience=1, factor=0.1, min_delta=0., min_lr=0.):
         super().__init__(monitor, mode, min_delta)
         if not 0 < factor < 1: raise ValueError(f"factor must be between 0 and 1, got {factor!r}")

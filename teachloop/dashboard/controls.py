@@ -100,6 +100,10 @@ class SteeringCallback(Callback):
 
     def before_batch(self):
         controls = self.controls
+        if controls.paused and self.learn.stop_agreement is not None:  # several processes: the others would wait
+            warnings.warn("a pause is not applied while several processes train together: the others would wait for "
+                          "this one in their next collective until it times out. Stop the fit instead")
+            controls.resume()
         if controls.paused: self._wait_while_paused()
         if controls.stop_requested:
             agreement = self.learn.stop_agreement
@@ -108,6 +112,9 @@ class SteeringCallback(Callback):
         if not self.learn.training: return
         if controls.version != self._version: self._take_requests()
         for name, value in self._held.items(): self._apply(name, value)
+
+    def after_validate(self):  # several processes: a stop requested while validating reaches the others before training
+        if self.controls.stop_requested and self.learn.stop_agreement is not None: self.learn.stop_agreement()
 
     def _apply(self, name, value):
         "Set `name` to the held `value`, noting first what the optimizer would have without the steering."

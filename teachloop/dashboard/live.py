@@ -91,7 +91,7 @@ def before_fit(self:TrainingDashboard):
     self.epoch_ends, self._smoother = [], RunningSmoother()
     self._update_ratio, self._measure_next_step, self._ratio_pending = None, True, None
     self._last_loss = self.learn.loss  # the last fit's: a batch still showing it was cancelled before its loss
-    self.samples, self.batches_done, self.ticks = 0, 0, 0
+    self.samples, self.batches_done, self.ticks, self._total = 0, 0, 0, None
     self._start, self._next_tick = time.perf_counter(), time.perf_counter() + self.refresh
     self._background = threading.current_thread() is not threading.main_thread()
     if self.live: self._start_display()
@@ -161,6 +161,13 @@ def after_validate(self:TrainingDashboard):
     if self._valid_count: self._valid_pending.append((self.train_iter, self._valid_sum / self._valid_count))
     self._valid_sum, self._valid_count = None, 0
 
+
+# %% ../../nbs/11e_dashboard.ipynb #c046b
+@patch
+def before_train(self:TrainingDashboard):
+    if self._total is None:  # the batches this call runs: a resumed fit has restored its progress by now
+        per_epoch = sum(len(dl) for dl in (self.dls.train, self.dls.valid) if dl is not None and hasattr(dl, '__len__'))
+        self._total = (self.n_epoch - self.learn.start_epoch) * per_epoch - self.learn.skip_batches
 
 # %% ../../nbs/11e_dashboard.ipynb #c048
 @patch
@@ -245,7 +252,7 @@ def _panel_values(self:TrainingDashboard) -> dict:
 def status(self:TrainingDashboard) -> str:
     "One line: epoch and batch, samples per second, device, elapsed and remaining time."
     elapsed = time.perf_counter() - self._start - self.paused_seconds
-    total = self.n_epoch * sum(len(dl) for dl in (self.dls.train, self.dls.valid) if dl is not None and hasattr(dl, '__len__'))
+    total = self._total
     remaining = (total - self.batches_done) * elapsed / self.batches_done if self.batches_done and total else float('nan')
     phase = 'train' if self.training else 'valid'
     device = next(self.model.parameters()).device

@@ -457,10 +457,10 @@ def stop_requested_in_rank_zero(folder, at):
 
 @pytest.mark.slow
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize('at, steps', [(('train', 2), 4), (('valid', 0), 4)])
+@pytest.mark.parametrize('at, steps', [(('train', 2), 4), (('valid', 0), 8)])
 def test_a_stop_requested_in_one_rank_stops_every_rank_after_the_same_batch(at, steps, tmp_path):
     "Requested after step 2, the stop rides with the next message (the epoch's last step, the 4th); requested during"
-    " the first validation, it is exchanged before the second epoch: both ranks stop there, neither trains on."
+    " the first validation, with the next message, at the second epoch's last step (the 8th), as a Ctrl-C would."
     (steps0, model0, lr0, said0), (steps1, model1, lr1, said1) = run_ranks(
         partial(stop_requested_in_rank_zero, at=at), tmp_path, world_size=2, start_method='fork', timeout=15)
     assert steps0 == steps1 == steps

@@ -242,7 +242,6 @@ class DistributedTrainer(Callback):
         # its way through the host's group (nccl)
         self._losses, self._counted, self._here = [], None, False
         self._stop_here, self._stop_agreed = False, False  # a stop request (a dashboard's button) in this rank, in all
-        self._validated = False  # a validation ran since the last training phase (all ranks validate alike)
         self._sent, self._outgoing, self._incoming, self._flag = [], None, None, None
 
     def check_fit(self):
@@ -275,13 +274,7 @@ class DistributedTrainer(Callback):
         if not self._joined: self._agree_on('validate')  # `learn.validate()` or `get_preds` in the block, outside a fit
         self._join()
 
-    def before_train(self):
-        self.learn.dls.train.sampler.set_epoch(self.learn.epoch)
-        # a stop requested during the validation before this epoch has no message to ride with: one of its own
-        if self._validated and self.world_size > 1 and any_process(self._stop_here, self._host_group):
-            raise CancelFitException()
-        self._validated = False
-    def after_validate(self): self._validated = self.distributed
+    def before_train(self): self.learn.dls.train.sampler.set_epoch(self.learn.epoch)
     def before_batch(self):
         if self._stop_agreed: raise CancelFitException()  # in every rank, before the same batch
 

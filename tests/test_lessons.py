@@ -115,8 +115,8 @@ def defining_notebooks():
 
 
 def imported_names(nb):
-    "The names a notebook's code cells import from teachloop's modules."
-    code = '\n'.join(c.source for c in nb.cells if c.cell_type == 'code')
+    "The names a notebook's code cells import from teachloop's modules, outside its \"Under the hood\" sections."
+    code = '\n'.join(c.source for c in lesson_cells(nb) if c.cell_type == 'code')
     names = set()
     for match in re.finditer(r'^\s*from\s+teachloop[\w.]*\s+import\s+(\([^)]*\)|[^\n]*)', code, re.MULTILINE):
         for part in match.group(1).strip('()').split(','):

@@ -39,6 +39,7 @@ from .dashboard.plot import *
 from .dashboard.widget import *
 from .dashboard.live import *
 
+# %% ../nbs/14b_all.ipynb #u02
 # the modules above, in the same (course) order: the API reference lists them so
 MODULES = tuple(importlib.import_module(f'teachloop.{name}') for name in (
     'core', 'random_state', 'data', 'figures', 'optim.core', 'optim.more', 'optim.recent', 'optim.fast', 'optim.interop',

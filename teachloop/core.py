@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['default_device', 'to_device', 'check_save_path', 'check_save_folder', 'atomic_save', 'process_rank', 'process_count',
+__all__ = ['default_device', 'to_device', 'atomic_save', 'check_save_path', 'check_save_folder', 'process_rank', 'process_count',
            'several_processes', 'written_by_rank_zero', 'InterruptGate', 'check_count', 'check_mode']
 
 # %% ../nbs/00a_core.ipynb #c005
@@ -32,6 +32,20 @@ def to_device(batch, device, non_blocking=True):
 
 
 # %% ../nbs/00a_core.ipynb #c008
+def atomic_save(obj, path):
+    "`torch.save` `obj` to `path` through a temporary file in the same folder, then rename it into place."
+    path = os.fspath(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix='.tmp-', suffix='.pt')
+    try:
+        with os.fdopen(fd, 'wb') as f: torch.save(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp): os.remove(tmp)
+        raise
+
+# %% ../nbs/00a_core.ipynb #u02
 def _nearest_existing(path):
     while not path.exists() and path != path.parent: path = path.parent
     return path
@@ -64,20 +78,6 @@ def check_save_folder(folder, what='folder'):
     if folder.exists() and not folder.is_dir(): raise ValueError(f"{what} {str(folder)!r} is a file, not a folder")
     _check_writable_below(folder / 'file', what)
     return folder
-
-def atomic_save(obj, path):
-    "`torch.save` `obj` to `path` through a temporary file in the same folder, then rename it into place."
-    path = os.fspath(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix='.tmp-', suffix='.pt')
-    try:
-        with os.fdopen(fd, 'wb') as f: torch.save(obj, f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp): os.remove(tmp)
-        raise
-
 
 # %% ../nbs/00a_core.ipynb #p002
 def process_rank():

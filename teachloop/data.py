@@ -72,8 +72,12 @@ def digits_dls(bs=64, valid_pct=0.2, seed=42,
 # %% ../nbs/00_data.ipynb #c013
 def mnist_dls(path='data', bs=128, fashion=False, download=True, **kwargs):
     "MNIST (or FashionMNIST with `fashion=True`) from torchvision as `DataLoaders`, pixels scaled to [0, 1]."
-    from torchvision import datasets
-    from torchvision.transforms import ToTensor
+    try:
+        from torchvision import datasets
+        from torchvision.transforms import ToTensor
+    except ImportError as e:
+        raise ImportError("mnist_dls needs torchvision, an optional dependency of teachloop: "
+                          "`pip install 'teachloop[vision]'` (or `pip install torchvision`)") from e
     cls = datasets.FashionMNIST if fashion else datasets.MNIST
     try:
         train, valid = (cls(path, train=t, download=download, transform=ToTensor()) for t in (True, False))

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from .core import InterruptGate, atomic_save, check_save_path
-from .optim.interop import norm_and_bias_params
 from .optim.core import Adam, Optimizer, check_hyper
 
 # %% auto #0
@@ -27,7 +26,7 @@ __all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', '
            'CancelStepException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
            'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'set_optimizer_mode',
            'TrainEvalCallback', 'add_default_callbacks', 'OneProcess', 'default_splitter', 'Learner', 'callback_list',
-           'check_fit_args', 'GatherPreds', 'check_state_matches', 'optimizer_with_state', 'restore_training_state',
+           'GatherPreds', 'check_fit_args', 'check_state_matches', 'optimizer_with_state', 'restore_training_state',
            'EventLog']
 
 # %% ../nbs/04_learner.ipynb #c004
@@ -121,6 +120,10 @@ class Callback:
                           stacklevel=2)
         object.__setattr__(self, attr, value)
 
+    def caught_up(self, epochs_done):
+        "Whether it has seen the end of `epochs_done` epochs; a callback that counts them says when not (see checkpoints)."
+        return True
+
     def quieten(self):
         "Stop showing or writing what is for the reader (in a process other than the first); return what undoes it, if anything."
         return None
@@ -200,69 +203,40 @@ class Learner:
                  wd_bn_bias=True,  # weight decay on normalisation layers and biases too (False: on the other weights only)
                  train_bn=True,  # keep normalisation layers training when the model is frozen (see `freeze_to`)
                 ):
-        self._check_init(dls, model, loss_func, opt_func, lr, metrics)
+        _check_learner_args(dls, model, loss_func, opt_func, lr, metrics)  # under the hood, below
         self.dls, self.model, self.loss_func, self.opt_func = dls, model, loss_func, opt_func
         self.lr, self.wd, self.moms, self.splitter = lr, wd, moms, splitter
         self.wd_bn_bias, self.train_bn = wd_bn_bias, train_bn
         self.metrics = list(metrics or [])
         self.opt, self.dl, self.xb, self.yb, self.pred, self.loss, self.loss_grad = None, None, (), (), None, None, None
-        self.n_epoch = self.n_iter = self.epoch = self.iter = self.train_iter = self.start_epoch = self.skip_batches = 0
+        self.n_epoch = self.n_iter = self.epoch = self.iter = self.train_iter = self.start_epoch = 0
         self.pct_train, self.training = 0., False
-        self.after_skipping = None  # called once the batches a resumed fit skips are drawn (see checkpoints)
-        self.keep_grads = False  # set by a callback during a training batch: its gradients stay in `.grad` at its end
-        self.training_module = None  # what training batches call instead of `model`: a wrapper of it (data-parallel training)
-        self.cbs, self._event_tables, self.interrupts = [], ({}, {}), InterruptGate()
-        self.stop_agreement = None  # how a request to stop reaches every process training together (notebook 15)
-        self.processes = OneProcess()  # replaced while several processes train together (notebook 15)
-        self._events = {}
+        self.cbs, self._event_tables, self._events = [], ({}, {}), {}
+        self._init_engine()  # the interrupt gate, several processes, a wrapped model: under the hood, below
         self.add_cbs([make() for make in DEFAULT_CALLBACKS] if default_cbs else [TrainEvalCallback()])
         self.add_cbs(cbs or [])
         self('after_create')
-
-    @staticmethod
-    def _check_init(dls, model, loss_func, opt_func, lr, metrics):
-        if not (hasattr(dls, 'train') and hasattr(dls, 'valid')):
-            raise TypeError(f"dls must have `.train` and `.valid` (got {type(dls).__name__}); "
-                            "wrap your loaders: `DataLoaders(train_dl, valid_dl)`")
-        if not isinstance(model, nn.Module): raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        if not callable(loss_func):
-            raise TypeError(f"loss_func must be callable as loss_func(pred, target), got {type(loss_func).__name__}")
-        if not callable(opt_func): raise TypeError(f"opt_func must be callable, got {type(opt_func).__name__}")
-        if not isinstance(lr, (slice, list, tuple)): check_hyper('lr', lr)
-        for m in metrics or []:
-            if not callable(m): raise TypeError(f"each metric must be a function f(pred, target), got {m!r}")
-
 
     @property
     def x(self): return self.xb[0]
     @property
     def y(self): return self.yb[0]
 
-    def __getattr__(self, attr):
-        if not attr.startswith('_'):
-            for cb in self.__dict__.get('cbs', ()):
-                if cb.name == attr: return cb
-        hint = _METHODS_FROM.get(attr)
-        raise AttributeError(f"'Learner' has no attribute or callback named {attr!r}"
-                             + (f"; `import {hint}` adds it" if hint else ''))
-
+    def __getattr__(self, attr): return _callback_named(self, attr)  # `learn.recorder`: see below
     def __repr__(self):
         return f"Learner(model={type(self.model).__name__}, cbs=[{', '.join(type(c).__name__ for c in self.cbs)}])"
 
-# %% ../nbs/04_learner.ipynb #c018
-def _check_new_callback(learn, existing, cb):
-    if isinstance(cb, type):
-        raise TypeError(f"got the class {cb.__name__}, not an instance: pass `{cb.__name__}()`")
-    if not isinstance(cb, Callback): raise TypeError(f"callbacks must be Callback instances, got {type(cb).__name__}")
-    if any(c is cb for c in existing): raise ValueError(f"{cb!r} is already added to this learner")
-    if hasattr(type(learn), cb.name) or cb.name in learn.__dict__:
-        raise ValueError(f"a callback named {cb.name!r} could not be reached as `learn.{cb.name}`, which is the "
-                         f"learner's own; give it another name with `cb.name = '...'`")
-    if any(c.name == cb.name for c in existing):
-        raise ValueError(f"a callback named {cb.name!r} is already added (learn.{cb.name}); remove it first, "
-                         "or give the new one another name with `cb.name = '...'`")
-    check_event_names(cb)
+# %% ../nbs/04_learner.ipynb #c016b
+def _callback_named(learn, attr):
+    "The callback of `learn` named `attr`, or an AttributeError that says where a missing name comes from."
+    if not attr.startswith('_'):
+        for cb in learn.__dict__.get('cbs', ()):
+            if cb.name == attr: return cb
+    hint = _METHODS_FROM.get(attr)
+    raise AttributeError(f"'Learner' has no attribute or callback named {attr!r}"
+                         + (f"; `import {hint}` adds it" if hint else ''))
 
+# %% ../nbs/04_learner.ipynb #c018
 def _handlers(cbs, event, phase_flag):
     "Bound methods of `cbs` that handle `event`, skipping those whose `phase_flag` is off for batch events."
     found = []
@@ -271,6 +245,13 @@ def _handlers(cbs, event, phase_flag):
         if event in cb.__dict__ or callable(getattr(type(cb), event, None)): found.append(getattr(cb, event))
     return tuple(found)
 
+@patch
+def _refresh_events(self:Learner):
+    self.cbs.sort(key=lambda cb: cb.order)
+    self._event_tables = tuple({e: _handlers(self.cbs, e, flag) for e in EVENTS} for flag in ('run_valid', 'run_train'))
+    self._events = self._event_tables[self.training]
+
+# %% ../nbs/04_learner.ipynb #c018b
 @patch
 def add_cbs(self:Learner, cbs):
     "Add callbacks (checked, sorted by `order`, ties in the order added); return them."
@@ -299,13 +280,6 @@ def added_cbs(self:Learner, cbs):
     added = self.add_cbs(cbs or [])
     try: yield added
     finally: self.remove_cbs(added)
-
-@patch
-def _refresh_events(self:Learner):
-    self.cbs.sort(key=lambda cb: cb.order)
-    self._event_tables = tuple({e: _handlers(self.cbs, e, flag) for e in EVENTS} for flag in ('run_valid', 'run_train'))
-    self._events = self._event_tables[self.training]
-
 
 # %% ../nbs/04_learner.ipynb #c020
 @patch
@@ -345,6 +319,236 @@ def _with_events(self:Learner, body, name, cancel_exception):
 
 
 # %% ../nbs/04_learner.ipynb #c023
+@patch
+def _do_one_batch(self:Learner):
+    self.pred = self._forward()
+    self('after_pred')
+    self.loss_grad = self._compute_loss()
+    self.loss = self.loss_grad.detach().clone()
+    self('after_loss')
+    if not self.training: return
+    keep = False
+    try:
+        self._with_events(self.loss_grad.backward, 'backward', CancelBackwardException)
+        self._with_events(self._step, 'step', CancelStepException)
+        keep = self.keep_grads
+    finally:
+        # also when the batch is cancelled after backward, or fails: its gradients must not reach the next step
+        if not keep: self.opt.zero_grad()
+        self.keep_grads = False
+
+@patch
+def _step(self:Learner):
+    self.interrupts.hold()  # released at the batch's end, in `_all_batches`
+    self.opt.step()
+
+# %% ../nbs/04_learner.ipynb #c023b
+@patch
+def _split_batch(self:Learner, batch):
+    if not isinstance(batch, (list, tuple)) or len(batch) < 2:
+        raise TypeError(f"each batch must be an (inputs..., target) tuple or list, got {type(batch).__name__}")
+    self.xb, self.yb = tuple(batch[:-1]), (batch[-1],)
+
+@patch
+def _all_batches(self:Learner):
+    # A Ctrl-C during a training batch, its drawing from the loader included, waits for the batch's end: what is
+    # saved then (random states too) is exactly what the next batch starts from.
+    if self.training: self.interrupts.hold()
+    try:
+        for self.iter, batch in enumerate(self.dl, getattr(self.dl, 'skipped', 0)):
+            self.pred = self.loss = self.loss_grad = None  # a batch cancelled before its loss leaves no stale values
+            self._split_batch(batch)
+            try: self._with_events(self._do_one_batch, 'batch', CancelBatchException)
+            finally:
+                self.interrupts.release()  # raises a Ctrl-C held back during the batch, now that it is whole
+                if self.training: self.interrupts.hold()
+    finally: self.interrupts.release()
+
+# %% ../nbs/04_learner.ipynb #c023c
+@patch
+def _set_phase(self:Learner, training, dl):
+    self.training, self.dl = training, dl
+    self.n_iter = len(dl) if hasattr(dl, '__len__') else 0
+    self._events = self._event_tables[training]
+
+@patch
+def _do_validate(self:Learner, dl):
+    self._set_phase(False, dl)
+    with torch.no_grad(): self._with_events(self._all_batches, 'validate', CancelValidException)
+
+@patch
+def _do_epoch(self:Learner):
+    self._set_phase(True, self.dls.train)
+    self._with_events(self._all_batches, 'train', CancelTrainException)
+    if self.dls.valid is not None: self._do_validate(self.dls.valid)
+
+@patch
+def _do_fit(self:Learner):
+    _exempt_norm_and_bias(self, self.opt)  # again after `before_fit`: a state loaded since may have changed it
+    for self.epoch in range(self.start_epoch, self.n_epoch):
+        self._with_events(self._do_epoch, 'epoch', CancelEpochException)
+
+# %% ../nbs/04_learner.ipynb #c025
+def callback_list(cbs):
+    "`cbs` as a list: None gives [], a single callback [cb]."
+    if cbs is None: return []
+    return [cbs] if isinstance(cbs, (Callback, type)) else list(cbs)
+
+@patch
+def create_opt(self:Learner):
+    "Create the optimizer from `opt_func` with the splitter's parameter groups and the learner's `lr` and `wd`."
+    self._check_owner('create an optimizer')
+    opt = self.opt_func(self.splitter(self.model), lr=self.lr if not isinstance(self.lr, (slice, list, tuple)) else 1e-3)
+    if isinstance(self.lr, (slice, list, tuple)): opt.set_hyper('lr', self.lr)
+    if self.wd is not None: opt.set_hyper('wd', self.wd)
+    _exempt_norm_and_bias(self, opt)
+    self.opt = opt
+
+@patch
+def fit(self:Learner,
+        n_epoch:int,  # number of passes over the training data
+        lr=None,  # learning rate for this fit (number or slice); None keeps the optimizer's
+        wd=None,  # weight decay for this fit; None keeps the optimizer's
+        cbs=None,  # callbacks used for this fit only
+        reset_opt=False,  # create a fresh optimizer (forgetting its state) first
+        resume=None,  # path of a checkpoint to continue from (`teachloop.callback.checkpoint` adds this)
+       ):
+    "Train for `n_epoch` epochs."
+    with self.exclusive('fit'): self._fit(n_epoch, lr, wd, callback_list(cbs), reset_opt, resume)
+
+# %% ../nbs/04_learner.ipynb #c025b
+@patch
+def _fit(self:Learner, n_epoch, lr, wd, cbs, reset_opt, resume):
+    check_fit_args(n_epoch, lr, wd)
+    _check_loaders(self.dls)
+    if resume is not None: cbs = cbs + [self.resume_callback(resume, n_epoch, cbs)]
+    with self.added_cbs(cbs):
+        previous_opt = self.opt
+        if self.opt is None or reset_opt: self.create_opt()
+        try: self._check_callbacks_fit()
+        except Exception:
+            self.opt = previous_opt  # a refused fit leaves no optimizer of its own behind
+            raise
+        if lr is not None: self.opt.set_hyper('lr', lr)
+        if wd is not None: self.opt.set_hyper('wd', wd)
+        self.n_epoch, self.start_epoch = n_epoch, 0
+        try:
+            with self.interrupts.installed(): self._with_events(self._do_fit, 'fit', CancelFitException)
+        finally: self._cleanup()
+
+@patch
+def _check_callbacks_fit(self:Learner):
+    "Let each callback with a `check_fit` method refuse this fit, now that the optimizer exists and nothing has changed."
+    for cb in self.cbs:
+        if callable(getattr(type(cb), 'check_fit', None)): cb.check_fit()
+
+@patch
+def _cleanup(self:Learner):
+    self._set_phase(False, self.dl)
+    self.model.eval()
+    if self.opt is not None: self.opt.zero_grad()
+    # A fit ends with the weights to evaluate in the model; switched after `cleanup_fit`, so that the checkpoint of an
+    # interrupted fit keeps the training point it resumes from, exactly
+    try: self('cleanup_fit')
+    finally: set_optimizer_mode(self.opt, False)
+
+# %% ../nbs/04_learner.ipynb #c027
+class GatherPreds(Callback):
+    "Collect predictions and targets of the validation batches."
+    run_train, observes = False, True
+    def before_validate(self): self.preds, self.targets = [], []
+    def after_batch(self):
+        self.preds.append(self.pred.detach())
+        self.targets.append(self.y.detach())
+
+@patch
+def validate(self:Learner, dl=None):
+    "Loss and metrics on `dl` (default: the validation set), as a list of floats."
+    if dl is None and self.dls.valid is None: raise ValueError("there is no validation set: pass `dl`")
+    with self.exclusive('validate'):
+        try: self._do_validate(dl if dl is not None else self.dls.valid)
+        finally: self._cleanup()
+    return self.recorder.last_valid
+
+@patch
+def get_preds(self:Learner, dl=None):
+    "Predictions and targets over `dl` (default: the validation set), concatenated, on the CPU."
+    with self.exclusive('get_preds'), self.added_cbs([GatherPreds()]) as (gather,):
+        try: self._do_validate(dl if dl is not None else self.dls.valid)
+        finally: self._cleanup()
+    return torch.cat(gather.preds).cpu(), torch.cat(gather.targets).cpu()
+
+@patch
+def predict(self:Learner, x):
+    "The model's output for the input batch `x`."
+    with self.exclusive('predict'):
+        self.model.eval()
+        device = next(self.model.parameters()).device
+        with torch.no_grad(): return self.model(x.to(device))
+
+
+# %% ../nbs/04_learner.ipynb #c028
+@patch
+def save(self:Learner, path, with_opt=True):
+    "Save the model (and optimizer) state to `path`, atomically."
+    obj = {'model': self.model.state_dict()}
+    if with_opt and self.opt is not None: obj['opt'] = self.opt.state_dict()
+    atomic_save(obj, path)
+    return path
+
+@patch
+def load(self:Learner, path, with_opt=True):
+    "Load model (and optimizer) state saved by `save`; nothing changes if the file does not fit."
+    self._check_owner('load')
+    try: obj = torch.load(path, map_location='cpu', weights_only=True)
+    except Exception as e: raise ValueError(f"could not read a saved learner from {path!r}: {e}") from e
+    if not isinstance(obj, dict) or 'model' not in obj:
+        raise ValueError(f"{path!r} was not written by Learner.save (no 'model' entry)")
+    check_state_matches(self.model, obj['model'])
+    with self.exclusive('load'):
+        if with_opt and 'opt' in obj:
+            if self.opt is None: self.create_opt()
+            self.opt.load_state_dict(obj['opt'])
+        self.model.load_state_dict(obj['model'])
+    return self
+
+# %% ../nbs/04_learner.ipynb #u02
+from .optim.interop import norm_and_bias_params
+
+def _check_learner_args(dls, model, loss_func, opt_func, lr, metrics):
+    if not (hasattr(dls, 'train') and hasattr(dls, 'valid')):
+        raise TypeError(f"dls must have `.train` and `.valid` (got {type(dls).__name__}); "
+                        "wrap your loaders: `DataLoaders(train_dl, valid_dl)`")
+    if not isinstance(model, nn.Module): raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not callable(loss_func):
+        raise TypeError(f"loss_func must be callable as loss_func(pred, target), got {type(loss_func).__name__}")
+    if not callable(opt_func): raise TypeError(f"opt_func must be callable, got {type(opt_func).__name__}")
+    if not isinstance(lr, (slice, list, tuple)): check_hyper('lr', lr)
+    for m in metrics or []:
+        if not callable(m): raise TypeError(f"each metric must be a function f(pred, target), got {m!r}")
+
+@patch
+def _init_engine(self:Learner):
+    self.keep_grads = False  # set by a callback during a training batch: its gradients stay in `.grad` at its end
+    self.training_module = None  # what training batches call instead of `model`: a wrapper of it (data-parallel training)
+    self.interrupts = InterruptGate()
+    self.stop_agreement = None  # how a request to stop reaches every process training together (notebook 15)
+    self.processes = OneProcess()  # replaced while several processes train together (notebook 15)
+
+def _check_new_callback(learn, existing, cb):
+    if isinstance(cb, type):
+        raise TypeError(f"got the class {cb.__name__}, not an instance: pass `{cb.__name__}()`")
+    if not isinstance(cb, Callback): raise TypeError(f"callbacks must be Callback instances, got {type(cb).__name__}")
+    if any(c is cb for c in existing): raise ValueError(f"{cb!r} is already added to this learner")
+    if hasattr(type(learn), cb.name) or cb.name in learn.__dict__:
+        raise ValueError(f"a callback named {cb.name!r} could not be reached as `learn.{cb.name}`, which is the "
+                         f"learner's own; give it another name with `cb.name = '...'`")
+    if any(c.name == cb.name for c in existing):
+        raise ValueError(f"a callback named {cb.name!r} is already added (learn.{cb.name}); remove it first, "
+                         "or give the new one another name with `cb.name = '...'`")
+    check_event_names(cb)
+
+# %% ../nbs/04_learner.ipynb #u04
 def _loss_with_broadcast_check(loss_func, pred, yb):
     "Call `loss_func`, turning torch's warning about silently broadcasting mismatched shapes into an error."
     with warnings.catch_warnings():
@@ -387,80 +591,7 @@ def _forward(self:Learner):
         if 'device' in str(e): _add_note(e, _device_note(self.model, self.xb))
         raise
 
-@patch
-def _do_one_batch(self:Learner):
-    self.pred = self._forward()
-    self('after_pred')
-    self.loss_grad = self._compute_loss()
-    self.loss = self.loss_grad.detach().clone()
-    self('after_loss')
-    if not self.training: return
-    keep = False
-    try:
-        self._with_events(self.loss_grad.backward, 'backward', CancelBackwardException)
-        self._with_events(self._step, 'step', CancelStepException)
-        keep = self.keep_grads
-    finally:
-        # also when the batch is cancelled after backward, or fails: its gradients must not reach the next step
-        if not keep: self.opt.zero_grad()
-        self.keep_grads = False
-
-@patch
-def _step(self:Learner):
-    self.interrupts.hold()  # released at the batch's end, in `_all_batches`
-    self.opt.step()
-
-@patch
-def _split_batch(self:Learner, batch):
-    if not isinstance(batch, (list, tuple)) or len(batch) < 2:
-        raise TypeError(f"each batch must be an (inputs..., target) tuple or list, got {type(batch).__name__}")
-    self.xb, self.yb = tuple(batch[:-1]), (batch[-1],)
-
-@patch
-def _all_batches(self:Learner):
-    # A Ctrl-C during a training batch, its drawing from the loader included, waits for the batch's end: what is
-    # saved then (random states too) is exactly what the next batch starts from.
-    if self.training: self.interrupts.hold()
-    try:
-        for self.iter, batch in enumerate(self.dl):
-            if self.training and self.iter < self.skip_batches:  # done before the checkpoint a fit resumes from
-                # drawing them may have used random generators (augmentation): a resume puts them back for the next
-                if self.iter == self.skip_batches - 1 and self.after_skipping is not None: self.after_skipping()
-                continue
-            self.pred = self.loss = self.loss_grad = None  # a batch cancelled before its loss leaves no stale values
-            self._split_batch(batch)
-            try: self._with_events(self._do_one_batch, 'batch', CancelBatchException)
-            finally:
-                self.interrupts.release()  # raises a Ctrl-C held back during the batch, now that it is whole
-                if self.training: self.interrupts.hold()
-    finally: self.interrupts.release()
-
-@patch
-def _set_phase(self:Learner, training, dl):
-    self.training, self.dl = training, dl
-    self.n_iter = len(dl) if hasattr(dl, '__len__') else 0
-    self._events = self._event_tables[training]
-
-@patch
-def _do_validate(self:Learner, dl):
-    self._set_phase(False, dl)
-    with torch.no_grad(): self._with_events(self._all_batches, 'validate', CancelValidException)
-
-@patch
-def _do_epoch(self:Learner):
-    self._set_phase(True, self.dls.train)
-    self._with_events(self._all_batches, 'train', CancelTrainException)
-    if self.dls.valid is not None: self._do_validate(self.dls.valid)
-
-@patch
-def _do_fit(self:Learner):
-    # after `before_fit`: a state loaded since the optimizer was made (`load`, a checkpoint) may have switched decay on again
-    if not self.wd_bn_bias: _no_decay(self.opt, norm_and_bias_params(self.model))
-    for self.epoch in range(self.start_epoch, self.n_epoch):
-        self._with_events(self._do_epoch, 'epoch', CancelEpochException)
-
-
-# %% ../nbs/04_learner.ipynb #c025
+# %% ../nbs/04_learner.ipynb #u06
 def _check_loaders(dls):
     for name in ('train', 'valid'):
         dl = getattr(dls, name)
@@ -468,27 +599,12 @@ def _check_loaders(dls):
             raise ValueError(f"the {name} data loader has no batches (is the dataset empty, or drop_last=True with "
                              "fewer items than the batch size?)")
 
-def callback_list(cbs):
-    "`cbs` as a list: None gives [], a single callback [cb]."
-    if cbs is None: return []
-    return [cbs] if isinstance(cbs, (Callback, type)) else list(cbs)
-
 def check_fit_args(n_epoch, lr, wd):
     "Raise a clear error for a bad number of epochs, learning rate or weight decay, before anything changes."
     if isinstance(n_epoch, bool) or not isinstance(n_epoch, int) or n_epoch < 1:
         raise ValueError(f"n_epoch must be a whole number >= 1, got {n_epoch!r}")
     if lr is not None and not isinstance(lr, (slice, list, tuple)): check_hyper('lr', lr)
     if wd is not None: check_hyper('wd', wd)
-
-@patch
-def create_opt(self:Learner):
-    "Create the optimizer from `opt_func` with the splitter's parameter groups and the learner's `lr` and `wd`."
-    self._check_owner('create an optimizer')
-    opt = self.opt_func(self.splitter(self.model), lr=self.lr if not isinstance(self.lr, (slice, list, tuple)) else 1e-3)
-    if isinstance(self.lr, (slice, list, tuple)): opt.set_hyper('lr', self.lr)
-    if self.wd is not None: opt.set_hyper('wd', self.wd)
-    if not self.wd_bn_bias: _no_decay(opt, norm_and_bias_params(self.model))
-    self.opt = opt
 
 def _no_decay(opt, params):
     "Switch weight decay off for `params` through the per-parameter `do_wd` state the decay callbacks read."
@@ -498,6 +614,11 @@ def _no_decay(opt, params):
                          "group of their own with weight_decay=0 (a `splitter`)")
     for p in params: opt.state[p]['do_wd'] = False
 
+def _exempt_norm_and_bias(learn, opt):
+    "With `wd_bn_bias=False`, switch weight decay off for the model's normalisation layers and biases in `opt`."
+    if not learn.wd_bn_bias: _no_decay(opt, norm_and_bias_params(learn.model))
+
+# %% ../nbs/04_learner.ipynb #u08
 _owner_lock = threading.Lock()
 
 @patch
@@ -532,91 +653,7 @@ def release(self:Learner, thread):
     with _owner_lock:
         if self.__dict__.get('_owner') is thread: self._owner = None
 
-@patch
-def fit(self:Learner,
-        n_epoch:int,  # number of passes over the training data
-        lr=None,  # learning rate for this fit (number or slice); None keeps the optimizer's
-        wd=None,  # weight decay for this fit; None keeps the optimizer's
-        cbs=None,  # callbacks used for this fit only
-        reset_opt=False,  # create a fresh optimizer (forgetting its state) first
-        resume=None,  # path of a checkpoint to continue from (`teachloop.callback.checkpoint` adds this)
-       ):
-    "Train for `n_epoch` epochs."
-    with self.exclusive('fit'): self._fit(n_epoch, lr, wd, callback_list(cbs), reset_opt, resume)
-
-@patch
-def _fit(self:Learner, n_epoch, lr, wd, cbs, reset_opt, resume):
-    check_fit_args(n_epoch, lr, wd)
-    _check_loaders(self.dls)
-    if resume is not None: cbs = cbs + [self.resume_callback(resume, n_epoch, cbs)]
-    with self.added_cbs(cbs):
-        previous_opt = self.opt
-        if self.opt is None or reset_opt: self.create_opt()
-        try: self._check_callbacks_fit()
-        except Exception:
-            self.opt = previous_opt  # a refused fit leaves no optimizer of its own behind
-            raise
-        if lr is not None: self.opt.set_hyper('lr', lr)
-        if wd is not None: self.opt.set_hyper('wd', wd)
-        self.n_epoch, self.start_epoch, self.skip_batches = n_epoch, 0, 0
-        try:
-            with self.interrupts.installed(): self._with_events(self._do_fit, 'fit', CancelFitException)
-        finally: self._cleanup()
-
-@patch
-def _check_callbacks_fit(self:Learner):
-    "Let each callback with a `check_fit` method refuse this fit, now that the optimizer exists and nothing has changed."
-    for cb in self.cbs:
-        if callable(getattr(type(cb), 'check_fit', None)): cb.check_fit()
-
-@patch
-def _cleanup(self:Learner):
-    self._set_phase(False, self.dl)
-    self.model.eval()
-    if self.opt is not None: self.opt.zero_grad()
-    # A fit ends with the weights to evaluate in the model; switched after `cleanup_fit`, so that the checkpoint of an
-    # interrupted fit keeps the training point it resumes from, exactly
-    try: self('cleanup_fit')
-    finally: set_optimizer_mode(self.opt, False)
-
-
-
-# %% ../nbs/04_learner.ipynb #c027
-class GatherPreds(Callback):
-    "Collect predictions and targets of the validation batches."
-    run_train, observes = False, True
-    def before_validate(self): self.preds, self.targets = [], []
-    def after_batch(self):
-        self.preds.append(self.pred.detach())
-        self.targets.append(self.y.detach())
-
-@patch
-def validate(self:Learner, dl=None):
-    "Loss and metrics on `dl` (default: the validation set), as a list of floats."
-    if dl is None and self.dls.valid is None: raise ValueError("there is no validation set: pass `dl`")
-    with self.exclusive('validate'):
-        try: self._do_validate(dl if dl is not None else self.dls.valid)
-        finally: self._cleanup()
-    return self.recorder.last_valid
-
-@patch
-def get_preds(self:Learner, dl=None):
-    "Predictions and targets over `dl` (default: the validation set), concatenated, on the CPU."
-    with self.exclusive('get_preds'), self.added_cbs([GatherPreds()]) as (gather,):
-        try: self._do_validate(dl if dl is not None else self.dls.valid)
-        finally: self._cleanup()
-    return torch.cat(gather.preds).cpu(), torch.cat(gather.targets).cpu()
-
-@patch
-def predict(self:Learner, x):
-    "The model's output for the input batch `x`."
-    with self.exclusive('predict'):
-        self.model.eval()
-        device = next(self.model.parameters()).device
-        with torch.no_grad(): return self.model(x.to(device))
-
-
-# %% ../nbs/04_learner.ipynb #c028
+# %% ../nbs/04_learner.ipynb #u10
 def check_state_matches(model, state):
     "Raise `ValueError` if the model state dict `state` does not fit `model` (names and shapes)."
     own = model.state_dict()
@@ -645,31 +682,6 @@ def restore_training_state(learn, model_state, opt_state):
     opt = optimizer_with_state(learn, opt_state)
     learn.model.load_state_dict(model_state)
     learn.opt = opt
-
-@patch
-def save(self:Learner, path, with_opt=True):
-    "Save the model (and optimizer) state to `path`, atomically."
-    obj = {'model': self.model.state_dict()}
-    if with_opt and self.opt is not None: obj['opt'] = self.opt.state_dict()
-    atomic_save(obj, path)
-    return path
-
-@patch
-def load(self:Learner, path, with_opt=True):
-    "Load model (and optimizer) state saved by `save`; nothing changes if the file does not fit."
-    self._check_owner('load')
-    try: obj = torch.load(path, map_location='cpu', weights_only=True)
-    except Exception as e: raise ValueError(f"could not read a saved learner from {path!r}: {e}") from e
-    if not isinstance(obj, dict) or 'model' not in obj:
-        raise ValueError(f"{path!r} was not written by Learner.save (no 'model' entry)")
-    check_state_matches(self.model, obj['model'])
-    with self.exclusive('load'):
-        if with_opt and 'opt' in obj:
-            if self.opt is None: self.create_opt()
-            self.opt.load_state_dict(obj['opt'])
-        self.model.load_state_dict(obj['model'])
-    return self
-
 
 # %% ../nbs/04_learner.ipynb #c030
 class EventLog(Callback):

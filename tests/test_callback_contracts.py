@@ -44,7 +44,7 @@ import teachloop.all  # noqa: F401  (every notebook's Learner methods added)
 from teachloop.callback.schedule_free import BatchNormAtAverage
 from teachloop.callback.core import (DeviceCallback, GradientAccumulation, MixedPrecision,
                                  ProgressCallback, Recorder)
-from teachloop.callback.checkpoint import Checkpoint
+from teachloop.callback.checkpoint import Checkpoint, ResumePoints
 from teachloop.callback.tracker import EarlyStopping, ReduceLROnPlateau, SaveModel, TrackerCallback
 from teachloop.dashboard.live import TrainingDashboard
 from teachloop.dashboard.controls import SteeringCallback
@@ -162,6 +162,7 @@ CALLBACKS = {
     'LayerStats': Described(lambda folder: LayerStats(every=2), observes=True, state=layer_ticks),
     'NaNCapture': Described(lambda folder: NaNCapture(folder / 'nan-capture.pt'), observes=True),
     'Resume': Described(why="`fit(resume=...)` makes it: the resume battery runs it with every callback"),
+    'ResumePoints': Described(lambda folder: ResumePoints(), observes=True),
     'Checkpoint': Described(lambda folder: Checkpoint(folder / 'checkpoints', keep=1), observes=True,
                             state=epoch_files),
     'TrackerCallback': Described(lambda folder: TrackerCallback('valid_loss', 'min'), observes=True, state=tracked),

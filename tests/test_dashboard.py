@@ -199,7 +199,7 @@ def test_pause_holds_the_fit_until_resume():
     handle = fit_background(learn, 1)
     time.sleep(0.3)
     assert learn.train_iter == 0 and not handle.done
-    steering.controls.resume()
+    steering.controls.unpause()
     handle.wait(timeout=60)
     assert learn.train_iter == len(DLS.train) and steering.paused_seconds > 0
 

@@ -255,3 +255,44 @@ def test_what_a_module_adds_to_lower_ones_does_not_depend_on_the_import_order():
             for first in ('core', 'learner', 'optim.core', 'callback.checkpoint', 'dashboard.live', 'all')}
     assert len(set(seen.values())) == 1, {first: out[:300] for first, out in seen.items()}
     assert "'Recorder'" in seen['core'] and 'fit_one_cycle' in seen['core'] and 'teachloop.optim.fast' in seen['core']
+
+
+# ---- the callbacks' protocol: a callback takes part in the engine by what its class declares
+
+PROTOCOL = {'order', 'run_train', 'run_valid', 'observes', 'quieten', 'caught_up', 'state_dict', 'load_state_dict',
+            'check_fit', 'name'}
+
+
+def callback_classes():
+    from teachloop.learner import Callback
+    found = {Callback}
+    for name in module_names():
+        module = importlib.import_module(f'teachloop.{name}')
+        found |= {v for v in vars(module).values() if isinstance(v, type) and issubclass(v, Callback)}
+    return found
+
+
+def test_the_callback_base_declares_the_protocol():
+    "What the engine asks of any callback (its order, phases, whether it only watches, how it goes quiet in a process "
+    "other than the first, whether it has seen an epoch's end, its saved state) is declared on `Callback` or read as optional."
+    from teachloop.learner import Callback
+    assert {'order', 'run_train', 'run_valid', 'observes', 'quieten', 'caught_up', 'name'} <= set(dir(Callback))
+    cb = Callback()
+    assert cb.quieten() is None and cb.caught_up(10**6) and not cb.observes
+
+
+def test_the_engine_reads_other_callbacks_only_through_what_their_classes_declare():
+    "`getattr(cb, 'x', ...)` on a learner's callbacks reads a class-level declaration (a protocol attribute or one a "
+    "callback class declares), never an instance attribute found by its name (`epoch_start`, `epochs_seen` once)."
+    declared = {attr for cls in callback_classes() for attr in vars(cls)} | PROTOCOL
+    read = set()
+    for path in PACKAGE.rglob('*.py'):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ('getattr', 'hasattr')
+                    and isinstance(node.args[0], ast.Name) and node.args[0].id in ('cb', 'c', 'callback')
+                    and isinstance(node.args[1], ast.Constant)):
+                read.add((path.relative_to(PACKAGE).as_posix(), node.args[1].value))
+    callback_reads = {(p, a) for p, a in read if not p.startswith(('optim/', 'lessons/'))}  # there `cb` is an optimizer part
+    assert callback_reads and all(a in declared for _, a in callback_reads), sorted(
+        (p, a) for p, a in callback_reads if a not in declared)
+    for name in ('epoch_start', 'batch_boundary', 'epochs_seen'): assert name not in {a for _, a in callback_reads}

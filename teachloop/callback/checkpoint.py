@@ -6,6 +6,7 @@ the losses of a fit that never stopped."""
 # %% ../../nbs/13_checkpoint.ipynb #c003
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import warnings
@@ -25,9 +26,85 @@ from ..random_state import loader_generators, rng_readers, rng_states, saveable_
 from .schedule import ParamScheduler
 
 # %% auto #0
-__all__ = ['FORMAT', 'fit_schedules', 'schedule_record', 'resume_call', 'check_schedules_continue', 'epoch_rows',
-           'checkpoint_state', 'read_checkpoint', 'check_checkpoint_fits', 'restore_checkpoint', 'Resume',
-           'replace_with_link', 'Checkpoint']
+__all__ = ['FORMAT', 'checkpoint_state', 'epoch_rows', 'fit_schedules', 'schedule_record', 'resume_call',
+           'check_schedules_continue', 'read_checkpoint', 'check_checkpoint_fits', 'restore_checkpoint', 'SkipBatches',
+           'Resume', 'ResumePoints', 'Checkpoint', 'replace_with_link']
+
+# %% ../../nbs/13_checkpoint.ipynb #c011
+FORMAT = 'teachloop-checkpoint'
+
+def _stateful_callbacks(learn):
+    # the Recorder's history is saved apart, with the rows as of the save (see `epoch_rows`)
+    return [cb for cb in learn.cbs if callable(getattr(type(cb), 'state_dict', None)) and cb.name != 'recorder']
+
+def _has_recorder(learn): return any(cb.name == 'recorder' for cb in learn.cbs)
+
+def checkpoint_state(learn,
+                     rng=None,  # the random states to keep; None: those of the batch boundary, or as they are now
+                    ):
+    "Everything needed to continue `learn`'s fit exactly: weights, optimizer, callbacks, history, random states, progress."
+    if learn.opt is None: learn.create_opt()
+    rows = epoch_rows(learn) if _has_recorder(learn) else None
+    stateful = _stateful_callbacks(learn)
+    return {'format': FORMAT, 'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(),
+            'callbacks': {cb.name: cb.state_dict() for cb in stateful},
+            'observers': [cb.name for cb in stateful if cb.observes],  # their states: a resumed fit may leave them out
+            'recorder': learn.recorder.state_dict(rows) if rows is not None else None,
+            'rng': saveable_rng(next(r for r in (rng, _rng_at_batch_start(learn), rng_states()) if r is not None)),
+            'loaders': {name: [g.get_state() for g in loader_generators(getattr(learn.dls, name))]
+                        for name in ('train', 'valid') if getattr(learn.dls, name) is not None},
+            'schedules': _schedule_records(learn),
+            'progress': _progress(learn, rows)}
+
+@patch
+def save_checkpoint(self:Learner,
+                    path,  # the file to write
+                    rng=None,  # the random states to keep; None: those of the batch boundary, or as they are now
+                   ):
+    "Write everything `fit(..., resume=path)` needs to continue exactly to `path`, atomically; return the path."
+    atomic_save(checkpoint_state(self, rng), path)
+    return path
+
+# %% ../../nbs/13_checkpoint.ipynb #c011u
+def _epoch_start(learn, epoch):
+    "What a `ResumePoints` callback noted at the start of `epoch` (the loader's generators, the random states), or None."
+    for cb in learn.cbs:
+        if isinstance(cb, ResumePoints) and cb.epoch_start is not None and cb.epoch_start['epoch'] == epoch:
+            return cb.epoch_start
+    return None
+
+def epoch_rows(learn):
+    "The Recorder's rows as of now: a save at an epoch's end that runs before the Recorder's `after_epoch` gets its row too."
+    rows = [list(r) for r in learn.recorder.values]
+    epochs_done, batches_done = divmod(learn.train_iter, len(learn.dls.train))
+    if batches_done == 0 and len(rows) == epochs_done - 1:
+        pending = learn.recorder.pending_row()
+        if pending is not None and pending[0] == epochs_done - 1: rows.append(pending)
+    return rows
+
+def _behind(learn, epochs_done):
+    "The callbacks that have not seen the end of all `epochs_done` epochs yet (`Callback.caught_up`)."
+    return [cb.name for cb in learn.cbs if not cb.caught_up(epochs_done)]
+
+def _progress(learn, rows):
+    epochs_done, batches_done = divmod(learn.train_iter, len(learn.dls.train))
+    rows_complete = rows is None or len(rows) == epochs_done
+    epoch_start = _epoch_start(learn, epochs_done) if batches_done else None
+    behind = _behind(learn, epochs_done)
+    return {'epochs_done': epochs_done, 'batches_done': batches_done, 'behind': behind,
+            'epoch_start': epoch_start and epoch_start['train'],
+            'epoch_start_rng': epoch_start and epoch_start.get('rng') and saveable_rng(epoch_start['rng']),
+            'resumable': rows_complete and not behind and (batches_done == 0 or epoch_start is not None),
+            'n_epoch': learn.n_epoch,
+            'train_iter': learn.train_iter, 'pct_train': learn.pct_train, 'epoch': learn.epoch, 'iter': learn.iter}
+
+def _rng_at_batch_start(learn):
+    "The random states a `ResumePoints` callback noted at the end of the last whole training batch, if `learn` is inside the next one."
+    if not learn.training: return None
+    for cb in learn.cbs:
+        if isinstance(cb, ResumePoints) and cb.batch_boundary is not None and cb.batch_boundary[0] == learn.train_iter:
+            return cb.batch_boundary[1]
+    return None
 
 # %% ../../nbs/13_checkpoint.ipynb #c041
 def fit_schedules(learn, cbs=()):
@@ -100,81 +177,6 @@ def check_schedules_continue(learn, state, n_epoch, cbs=(), path=None):
         raise ValueError(f"this fit's schedule differs from the checkpoint's {difference}: the resumed fit would not "
                          f"continue the schedule it stopped in; {advice}")
 
-# %% ../../nbs/13_checkpoint.ipynb #c011
-FORMAT = 'teachloop-checkpoint'
-
-def _stateful_callbacks(learn):
-    # the Recorder's history is saved apart, with the rows as of the save (see `epoch_rows`)
-    return [cb for cb in learn.cbs if callable(getattr(type(cb), 'state_dict', None)) and cb.name != 'recorder']
-
-def _has_recorder(learn): return any(cb.name == 'recorder' for cb in learn.cbs)
-
-def _epoch_start(learn, epoch):
-    "What a callback noted at the start of `epoch` (the loader's generators, the random states), or None."
-    for cb in learn.cbs:
-        noted = getattr(cb, 'epoch_start', None)
-        if isinstance(noted, dict) and noted.get('epoch') == epoch: return noted
-    return None
-
-def epoch_rows(learn):
-    "The Recorder's rows as of now: a save at an epoch's end that runs before the Recorder's `after_epoch` gets its row too."
-    rows = [list(r) for r in learn.recorder.values]
-    epochs_done, batches_done = divmod(learn.train_iter, len(learn.dls.train))
-    if batches_done == 0 and len(rows) == epochs_done - 1:
-        pending = learn.recorder.pending_row()
-        if pending is not None and pending[0] == epochs_done - 1: rows.append(pending)
-    return rows
-
-def _behind(learn, epochs_done):
-    "The callbacks that count the epoch ends they have seen (`epochs_seen`) and have not seen all `epochs_done` yet."
-    return [cb.name for cb in learn.cbs if getattr(cb, 'epochs_seen', epochs_done) < epochs_done]
-
-def _progress(learn, rows):
-    epochs_done, batches_done = divmod(learn.train_iter, len(learn.dls.train))
-    rows_complete = rows is None or len(rows) == epochs_done
-    epoch_start = _epoch_start(learn, epochs_done) if batches_done else None
-    behind = _behind(learn, epochs_done)
-    return {'epochs_done': epochs_done, 'batches_done': batches_done, 'behind': behind,
-            'epoch_start': epoch_start and epoch_start['train'],
-            'epoch_start_rng': epoch_start and epoch_start.get('rng') and saveable_rng(epoch_start['rng']),
-            'resumable': rows_complete and not behind and (batches_done == 0 or epoch_start is not None),
-            'n_epoch': learn.n_epoch,
-            'train_iter': learn.train_iter, 'pct_train': learn.pct_train, 'epoch': learn.epoch, 'iter': learn.iter}
-
-def _rng_at_batch_start(learn):
-    "The random states a callback noted at the end of the last whole training batch, if `learn` is inside the next one."
-    if not learn.training: return None
-    for cb in learn.cbs:
-        noted = getattr(cb, 'batch_boundary', None)
-        if noted is not None and noted[0] == learn.train_iter: return noted[1]
-    return None
-
-def checkpoint_state(learn,
-                     rng=None,  # the random states to keep; None: those of the batch boundary, or as they are now
-                    ):
-    "Everything needed to continue `learn`'s fit exactly: weights, optimizer, callbacks, history, random states, progress."
-    if learn.opt is None: learn.create_opt()
-    rows = epoch_rows(learn) if _has_recorder(learn) else None
-    stateful = _stateful_callbacks(learn)
-    return {'format': FORMAT, 'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(),
-            'callbacks': {cb.name: cb.state_dict() for cb in stateful},
-            'observers': [cb.name for cb in stateful if cb.observes],  # their states: a resumed fit may leave them out
-            'recorder': learn.recorder.state_dict(rows) if rows is not None else None,
-            'rng': saveable_rng(next(r for r in (rng, _rng_at_batch_start(learn), rng_states()) if r is not None)),
-            'loaders': {name: [g.get_state() for g in loader_generators(getattr(learn.dls, name))]
-                        for name in ('train', 'valid') if getattr(learn.dls, name) is not None},
-            'schedules': _schedule_records(learn),
-            'progress': _progress(learn, rows)}
-
-@patch
-def save_checkpoint(self:Learner,
-                    path,  # the file to write
-                    rng=None,  # the random states to keep; None: those of the batch boundary, or as they are now
-                   ):
-    "Write everything `fit(..., resume=path)` needs to continue exactly to `path`, atomically; return the path."
-    atomic_save(checkpoint_state(self, rng), path)
-    return path
-
 # %% ../../nbs/13_checkpoint.ipynb #c013
 def read_checkpoint(path):
     "Load a checkpoint file, with a clear error if it cannot be read or was not written by `save_checkpoint`."
@@ -237,7 +239,7 @@ def restore_checkpoint(learn, state):
     for name, saved in loaders.items():
         for generator, s in zip(loader_generators(getattr(learn.dls, name)), saved): generator.set_state(s)
     learn.train_iter, learn.pct_train = progress['train_iter'], progress['pct_train']
-    learn.start_epoch, learn.skip_batches = progress['epochs_done'], progress['batches_done']
+    learn.start_epoch = progress['epochs_done']
     for scheduler, record in zip(fit_schedules(learn), state.get('schedules') or []):
         scheduler.hps = {name: v[:progress['train_iter']].tolist() for name, v in record['values'].items()}
     set_rng_states(state['rng'])
@@ -250,6 +252,26 @@ def load_checkpoint(self:Learner, path):
     restore_training_state(self, state['model'], state['opt'])
     return self
 
+# %% ../../nbs/13_checkpoint.ipynb #c015s
+class SkipBatches:
+    "A data loader's batches after its first `skipped`, which are drawn (so that the order stays the same) and dropped."
+    def __init__(self,
+                 dl,  # the data loader
+                 skipped:int,  # how many of its first batches to draw and drop
+                 after_skipping=None,  # called once they are drawn, before the first batch is handed on
+                ):
+        self.dl, self.skipped, self.after_skipping = dl, skipped, after_skipping
+    def __len__(self): return len(self.dl)
+    def __getattr__(self, attr):  # the loader's own attributes (its dataset, its sampler)
+        if attr.startswith('__') or 'dl' not in self.__dict__: raise AttributeError(attr)
+        return getattr(self.dl, attr)
+    def __iter__(self):
+        batches = iter(self.dl)
+        for _ in itertools.islice(batches, self.skipped): pass
+        if self.after_skipping is not None: self.after_skipping()
+        yield from batches
+
+# %% ../../nbs/13_checkpoint.ipynb #c015b
 class Resume(Callback):
     "Restore the checkpoint at `path` once every other callback has run `before_fit`; the fit then goes on from there."
     order = math.inf
@@ -274,22 +296,90 @@ class Resume(Callback):
             # and the states of the checkpoint's batch boundary are put back before the first batch after it is drawn.
             epoch_start_rng = self.state['progress'].get('epoch_start_rng')
             if epoch_start_rng: set_rng_states(epoch_start_rng, warn=False)
-            self.learn.after_skipping = self._restore_rng
+            self.learn.dl = SkipBatches(self.learn.dl, self.state['progress']['batches_done'], self._restore_rng)
         self._epoch_in_progress = None
 
-    def _restore_rng(self):
-        set_rng_states(self.state['rng'], warn=False)  # restore_checkpoint has warned of what does not fit
-        self.learn.after_skipping = None
-
-    def after_train(self): self.learn.skip_batches, self.learn.after_skipping = 0, None
+    def _restore_rng(self): set_rng_states(self.state['rng'], warn=False)  # restore_checkpoint warned of what does not fit
 
 @patch
 def resume_callback(self:Learner, path, n_epoch, cbs=()):
     "The callback that makes this fit continue from the checkpoint at `path`, checked now (`fit(..., resume=path)` uses it)."
     return Resume(self, path, n_epoch, cbs)
 
+# %% ../../nbs/13_checkpoint.ipynb #c018r
+class ResumePoints(Callback):
+    "Note where a fit can resume from: the loader's generators and random states as each training phase begins, the random states after each training batch."
+    order, observes = 70, True
+    def __init__(self): self.epoch_start, self.batch_boundary, self._read_rng = None, None, rng_readers(host=False)
+    def before_fit(self): self.batch_boundary = None
+    def before_train(self):
+        rng = self._random_states()
+        self.epoch_start = {'epoch': self.epoch, 'train': [g.get_state() for g in loader_generators(self.dls.train)],
+                            'rng': rng}
+        self.batch_boundary = (self.train_iter, rng)
+    def after_batch(self):
+        if self.learn.training: self.batch_boundary = (self.learn.train_iter, self._random_states())
+    def _random_states(self): return {name: read() for name, read in self._read_rng.items()}
 
 # %% ../../nbs/13_checkpoint.ipynb #c018
+class Checkpoint(ResumePoints):
+    "Write a checkpoint every `every_n_epochs` epochs into `folder`, with `latest.pt` the newest; keep the last `keep` it wrote."
+    def __init__(self,
+                 folder,  # where `epoch-NNN.pt` and `latest.pt` go
+                 every_n_epochs=1,  # write after every this many epochs
+                 keep=None,  # how many epoch files to keep (None: all)
+                ):
+        super().__init__()
+        check_count('every_n_epochs', every_n_epochs)
+        if keep is not None: check_count('keep', keep)
+        self.folder = check_save_folder(folder, 'Checkpoint folder')
+        self.every_n_epochs, self.keep = every_n_epochs, keep
+        self._in_step, self._ended, self._written = False, False, []
+        self._in_batch, self._stats, self._stats_at_start = False, [], None
+
+    @property
+    def latest(self): return self.folder / 'latest.pt'
+
+    def before_fit(self):
+        super().before_fit()
+        self.folder = check_save_folder(self.folder, 'Checkpoint folder')  # again: it may have changed since
+        self._in_step, self._ended, self._in_batch = False, False, False
+        self._written = []  # files of an earlier fit stay; a resume gives back those of the fit it continues
+        self._stats, self._stats_at_start = [], None
+
+    def after_epoch(self):
+        done = self.epoch + 1
+        if done % self.every_n_epochs: return
+        written_by_rank_zero(partial(self._write_epoch, done), f"the checkpoint of epoch {done}")
+
+# %% ../../nbs/13_checkpoint.ipynb #c018s
+@patch
+def _write_epoch(self:Checkpoint, done):
+    path = self.folder / f'epoch-{done:03d}.pt'
+    # Only files this callback wrote are ever removed: other files in the folder (an earlier fit's) stay. The
+    # file keeps the list as it is once the file is written, so that a fit resumed from it removes the same ones.
+    written = [p for p in self._written if p != path] + [path]
+    cut = max(len(written) - self.keep, 0) if self.keep is not None else 0
+    before, self._written = self._written, written[cut:]
+    try: self.learn.save_checkpoint(path)
+    except BaseException:
+        self._written = before
+        raise
+    replace_with_link(path, self.latest)
+    for old in written[:cut]: old.unlink(missing_ok=True)
+
+@patch
+def state_dict(self:Checkpoint):
+    "The epoch files this callback wrote and keeps (those `keep` will remove), by name in its folder."
+    return {'folder': str(self.folder.resolve()), 'written': [p.name for p in self._written]}
+
+@patch
+def load_state_dict(self:Checkpoint, state):
+    # files in another folder than this callback's are not its own: it leaves them alone
+    same = state['folder'] == str(self.folder.resolve())
+    self._written = [self.folder / n for n in state['written']] if same else []
+
+# %% ../../nbs/13_checkpoint.ipynb #c018u
 def replace_with_link(source, target):
     "Make `target` a hard link to `source` (a copy where links are not possible), replacing it atomically."
     target = Path(target)
@@ -299,93 +389,43 @@ def replace_with_link(source, target):
     except OSError: tmp.write_bytes(Path(source).read_bytes())
     os.replace(tmp, target)
 
-class Checkpoint(Callback):
-    "Write a checkpoint every `every_n_epochs` epochs into `folder`, with `latest.pt` the newest; keep the last `keep` it wrote."
-    order, observes = 70, True
-    def __init__(self,
-                 folder,  # where `epoch-NNN.pt` and `latest.pt` go
-                 every_n_epochs=1,  # write after every this many epochs
-                 keep=None,  # how many epoch files to keep (None: all)
-                ):
-        check_count('every_n_epochs', every_n_epochs)
-        if keep is not None: check_count('keep', keep)
-        self.folder = check_save_folder(folder, 'Checkpoint folder')
-        self.every_n_epochs, self.keep = every_n_epochs, keep
-        self.epoch_start, self._in_step, self._ended, self._written = None, False, False, []
-        self._read_rng, self.batch_boundary = rng_readers(host=False), None
-        self._in_batch, self._stats, self._stats_at_start = False, [], None
+@patch
+def before_batch(self:Checkpoint):
+    if not self.learn.training: return
+    self._in_batch = True
+    if self._stats_at_start is None: self._keep_stats()
+    if self._stats: torch._foreach_copy_(self._stats_at_start, self._stats)  # its forward will update them
 
-    @property
-    def latest(self): return self.folder / 'latest.pt'
+@patch
+def _keep_stats(self:Checkpoint):
+    "Room for BatchNorm's running statistics (once a lazy layer has made its own, in its first forward)."
+    stats = [b for _, m in running_stat_layers(self.model) for b in m.buffers(recurse=False)]
+    if any(torch.nn.parameter.is_lazy(b) for b in stats): return
+    self._stats, self._stats_at_start = stats, [b.clone() for b in stats]
 
-    def before_fit(self):
-        self.folder = check_save_folder(self.folder, 'Checkpoint folder')  # again: it may have changed since
-        self._in_step, self._ended, self.batch_boundary, self._in_batch = False, False, None, False
-        self._written = []  # files of an earlier fit stay; a resume gives back those of the fit it continues
-        self._stats, self._stats_at_start = [], None
-    def before_train(self):
-        rng = self._random_states()
-        self.epoch_start = {'epoch': self.epoch, 'train': [g.get_state() for g in loader_generators(self.dls.train)],
-                            'rng': rng}
-        self.batch_boundary = (self.train_iter, rng)
-    def before_batch(self):
-        if not self.learn.training: return
-        self._in_batch = True
-        if self._stats_at_start is None: self._keep_stats()
-        if self._stats: torch._foreach_copy_(self._stats_at_start, self._stats)  # its forward will update them
-    def _keep_stats(self):
-        "Room for BatchNorm's running statistics (once a lazy layer has made its own, in its first forward)."
-        stats = [b for _, m in running_stat_layers(self.model) for b in m.buffers(recurse=False)]
-        if any(torch.nn.parameter.is_lazy(b) for b in stats): return
-        self._stats, self._stats_at_start = stats, [b.clone() for b in stats]
-    def before_step(self): self._in_step = True
-    def after_batch(self):
-        self._in_step = self._in_batch = False
-        if self.learn.training: self.batch_boundary = (self.learn.train_iter, self._random_states())
-    def after_fit(self): self._ended = True
+@patch
+def before_step(self:Checkpoint): self._in_step = True
 
-    def _random_states(self): return {name: read() for name, read in self._read_rng.items()}
+@patch
+def after_batch(self:Checkpoint):
+    self._in_step = self._in_batch = False
+    super(Checkpoint, self).after_batch()
 
-    def cleanup_fit(self):
-        if self._ended or self._in_step or self.train_iter == 0: return
-        # An exception inside a batch comes after the batch was drawn and maybe after dropout drew: the random
-        # states to resume from are those of the end of the last whole batch (or of the epoch's start).
-        at_boundary = self.batch_boundary is not None and self.batch_boundary[0] == self.train_iter
-        rng = self.batch_boundary[1] if at_boundary else None  # the learner has left its training phase by now
-        # ... and its forward updated BatchNorm's running statistics: the model goes back to the batch's start
-        if self._in_batch and self._stats:
-            with torch.no_grad(): torch._foreach_copy_(self._stats, self._stats_at_start)
-        self._in_batch, self._ended = False, True  # a later error (a validation alone) finds nothing of this fit's to do
-        if process_rank() != 0: return
-        path = self.learn.save_checkpoint(self.folder / 'interrupted.pt', rng)
-        call, condition = resume_call(self.n_epoch, path, [s.fit_call for s in fit_schedules(self.learn)])
-        print(f"Checkpoint: the fit was interrupted; `{call}` continues it{condition}")
+@patch
+def after_fit(self:Checkpoint): self._ended = True
 
-    def after_epoch(self):
-        done = self.epoch + 1
-        if done % self.every_n_epochs: return
-        written_by_rank_zero(partial(self._write_epoch, done), f"the checkpoint of epoch {done}")
-
-    def _write_epoch(self, done):
-        path = self.folder / f'epoch-{done:03d}.pt'
-        # Only files this callback wrote are ever removed: other files in the folder (an earlier fit's) stay. The
-        # file keeps the list as it is once the file is written, so that a fit resumed from it removes the same ones.
-        written = [p for p in self._written if p != path] + [path]
-        cut = max(len(written) - self.keep, 0) if self.keep is not None else 0
-        before, self._written = self._written, written[cut:]
-        try: self.learn.save_checkpoint(path)
-        except BaseException:
-            self._written = before
-            raise
-        replace_with_link(path, self.latest)
-        for old in written[:cut]: old.unlink(missing_ok=True)
-
-    def state_dict(self):
-        "The epoch files this callback wrote and keeps (those `keep` will remove), by name in its folder."
-        return {'folder': str(self.folder.resolve()), 'written': [p.name for p in self._written]}
-
-    def load_state_dict(self, state):
-        # files in another folder than this callback's are not its own: it leaves them alone
-        same = state['folder'] == str(self.folder.resolve())
-        self._written = [self.folder / n for n in state['written']] if same else []
-
+@patch
+def cleanup_fit(self:Checkpoint):
+    if self._ended or self._in_step or self.train_iter == 0: return
+    # An exception inside a batch comes after the batch was drawn and maybe after dropout drew: the random
+    # states to resume from are those of the end of the last whole batch (or of the epoch's start).
+    at_boundary = self.batch_boundary is not None and self.batch_boundary[0] == self.train_iter
+    rng = self.batch_boundary[1] if at_boundary else None  # the learner has left its training phase by now
+    # ... and its forward updated BatchNorm's running statistics: the model goes back to the batch's start
+    if self._in_batch and self._stats:
+        with torch.no_grad(): torch._foreach_copy_(self._stats, self._stats_at_start)
+    self._in_batch, self._ended = False, True  # a later error (a validation alone) finds nothing of this fit's to do
+    if process_rank() != 0: return
+    path = self.learn.save_checkpoint(self.folder / 'interrupted.pt', rng)
+    call, condition = resume_call(self.n_epoch, path, [s.fit_call for s in fit_schedules(self.learn)])
+    print(f"Checkpoint: the fit was interrupted; `{call}` continues it{condition}")

@@ -24,7 +24,7 @@ from ..optim.core import Optimizer
 
 # %% auto #0
 __all__ = ['state_to_params_devices', 'DeviceCallback', 'accuracy', 'smooth_values', 'hypers_read', 'Recorder',
-           'smoothing_window', 'format_row', 'ProgressCallback', 'StepUndo', 'MixedPrecision', 'GradientAccumulation']
+           'smoothing_window', 'format_row', 'ProgressCallback', 'MixedPrecision', 'StepUndo', 'GradientAccumulation']
 
 # %% ../../nbs/05_callbacks.ipynb #c004
 def state_to_params_devices(opt):
@@ -103,8 +103,6 @@ def _hyper_reader(opt):
     return lambda: _hyper_values(opt)
 
 # %% ../../nbs/05_callbacks.ipynb #c014
-def _cpu_tensor(tensors): return torch.cat([t.detach().cpu().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
-
 class Recorder(Callback):
     "Record batch losses, hyper-parameters and per-epoch losses and metrics, reading values once per epoch."
     order, observes = 50, True
@@ -119,21 +117,6 @@ class Recorder(Callback):
         self._start_epoch_row()
         self._valid_losses, self._valid_sizes, self._valid_metrics = [], [], []
 
-    def _start_epoch_row(self):
-        # A phase cancelled before the Recorder heard its `before_*` event leaves nan in the row, never the last epoch's value.
-        self._epoch_start, self._train_loss, self._valid_row = time.perf_counter(), None, None
-
-    @property
-    def metric_names(self):
-        return ['epoch', 'train_loss', 'valid_loss'] + [_metric_name(m) for m in self.learn.metrics] + ['time']
-
-    def before_fit(self): self.reset()
-    def before_epoch(self): self._start_epoch_row()
-    def before_train(self):
-        self._epoch_losses, self._epoch_sizes = [], []
-        self._read_hypers = _hyper_reader(self.opt)
-    def before_validate(self): self._valid_losses, self._valid_sizes, self._valid_metrics = [], [], []
-
     def after_batch(self):
         learn = self.learn  # read directly: this runs every batch
         if learn.loss is None: return  # cancelled before its loss: nothing to record
@@ -147,41 +130,6 @@ class Recorder(Callback):
             self._valid_sizes.append(size)
             self._valid_metrics.append([m(learn.pred, learn.y) for m in learn.metrics])
 
-    def after_train(self):
-        if self._epoch_losses: self._loss_chunks.append(_stack(self._epoch_losses))
-        self._train_loss = _weighted_mean(self._epoch_losses, self._epoch_sizes)
-        self._epoch_losses, self._epoch_sizes = [], []
-
-    def after_validate(self):
-        per_metric = list(zip(*self._valid_metrics)) or [[] for _ in self.learn.metrics]
-        if self.learn.processes.several: values = self._means_over_processes([self._valid_losses, *per_metric])
-        else:
-            values = [_weighted_mean(self._valid_losses, self._valid_sizes)]
-            values += [_weighted_mean(list(m), self._valid_sizes) for m in per_metric]
-        self.last_valid = self._valid_row = _stack(values).tolist()
-        self._valid_losses, self._valid_sizes, self._valid_metrics = [], [], []
-
-    def _means_over_processes(self, columns):
-        "Each column's mean weighted by batch size over the validation batches of every process (each had a shard)."
-        sizes = torch.tensor(self._valid_sizes, dtype=torch.float64)
-        sums = [(_stack(c).double().cpu() * sizes).sum() if c else torch.zeros((), dtype=torch.float64) for c in columns]
-        totals = self.learn.processes.sum(torch.stack(sums + [sizes.sum()]))
-        return list((totals[:-1] / totals[-1]).unbind())
-
-    def after_epoch(self):
-        self.values.append(self._epoch_row())
-        self._start_epoch_row()
-
-    def _epoch_row(self):
-        train_loss = self._train_loss.item() if self._train_loss is not None else float('nan')
-        valid = self._valid_row or [float('nan')] * (1 + len(self.learn.metrics))
-        return [self.epoch, train_loss, *valid, time.perf_counter() - self._epoch_start]
-
-    def pending_row(self):
-        "The row `after_epoch` is about to add, once the epoch's training and validation are over (else None)."
-        validation_due = self.learn.dls.valid is not None and self._valid_row is None
-        return None if self._train_loss is None or validation_due else self._epoch_row()
-
     @property
     def losses(self):
         "Training loss of every batch so far, as floats."
@@ -192,26 +140,60 @@ class Recorder(Callback):
     def smooth_losses(self):
         "Debiased moving average of the batch losses."
         return smooth_values(self.losses, self.beta)
-
     @property
     def lrs(self): return self.hps['lr']
 
-    def state_dict(self, values=None):
-        "The history: batch losses (those of the epoch in progress apart), hyper-parameters per batch, rows (or `values`)."
-        return {'losses': _cpu_tensor(self._loss_chunks), 'epoch_losses': _cpu_tensor(self._epoch_losses),
-                'epoch_sizes': list(self._epoch_sizes), 'hps': {k: list(v) for k, v in self.hps.items()},
-                'values': [list(r) for r in (self.values if values is None else values)]}
+# %% ../../nbs/05_callbacks.ipynb #r02
+@patch
+def before_fit(self:Recorder): self.reset()
 
-    def load_state_dict(self, state):
-        "Take the history `state_dict` saved."
-        self._loss_chunks = [state['losses']] if len(state['losses']) else []
-        self.hps = defaultdict(list, {k: list(v) for k, v in state['hps'].items()})
-        self.values = [list(r) for r in state['values']]
-        self.load_epoch_in_progress(state)
+@patch
+def before_epoch(self:Recorder): self._start_epoch_row()
 
-    def load_epoch_in_progress(self, state):
-        "Take the losses of the epoch in progress that `state_dict` saved (a fit resumed mid-epoch)."
-        self._epoch_losses, self._epoch_sizes = list(state['epoch_losses'].unbind()), list(state['epoch_sizes'])
+@patch
+def _start_epoch_row(self:Recorder):
+    # A phase cancelled before the Recorder heard its `before_*` event leaves nan in the row, never the last epoch's value.
+    self._epoch_start, self._train_loss, self._valid_row = time.perf_counter(), None, None
+
+@patch
+def before_train(self:Recorder):
+    self._epoch_losses, self._epoch_sizes = [], []
+    self._read_hypers = _hyper_reader(self.opt)
+
+@patch
+def after_train(self:Recorder):
+    if self._epoch_losses: self._loss_chunks.append(_stack(self._epoch_losses))
+    self._train_loss = _weighted_mean(self._epoch_losses, self._epoch_sizes)
+    self._epoch_losses, self._epoch_sizes = [], []
+
+@patch
+def after_epoch(self:Recorder):
+    self.values.append(self._epoch_row())
+    self._start_epoch_row()
+
+@patch
+def _epoch_row(self:Recorder):
+    train_loss = self._train_loss.item() if self._train_loss is not None else float('nan')
+    valid = self._valid_row or [float('nan')] * (1 + len(self.learn.metrics))
+    return [self.epoch, train_loss, *valid, time.perf_counter() - self._epoch_start]
+
+# %% ../../nbs/05_callbacks.ipynb #r04
+@patch(as_prop=True)
+def metric_names(self:Recorder):
+    return ['epoch', 'train_loss', 'valid_loss'] + [_metric_name(m) for m in self.learn.metrics] + ['time']
+
+@patch
+def before_validate(self:Recorder): self._valid_losses, self._valid_sizes, self._valid_metrics = [], [], []
+
+@patch
+def after_validate(self:Recorder):
+    per_metric = list(zip(*self._valid_metrics)) or [[] for _ in self.learn.metrics]
+    if self.learn.processes.several: values = self._means_over_processes([self._valid_losses, *per_metric])
+    else:
+        values = [_weighted_mean(self._valid_losses, self._valid_sizes)]
+        values += [_weighted_mean(list(m), self._valid_sizes) for m in per_metric]
+    self.last_valid = self._valid_row = _stack(values).tolist()
+    self._valid_losses, self._valid_sizes, self._valid_metrics = [], [], []
 
 # %% ../../nbs/05_callbacks.ipynb #c016
 def smoothing_window(n_batches, beta=0.98):
@@ -302,11 +284,70 @@ class ProgressCallback(Callback):
 add_default_callbacks(DeviceCallback, Recorder, ProgressCallback)
 
 # %% ../../nbs/05_callbacks.ipynb #c026
+class MixedPrecision(Callback):
+    "Forward pass and loss under `torch.autocast` (`dtype` default: float16 on CUDA, bfloat16 on CPU), with loss scaling for float16."
+    order = 10
+    def __init__(self,
+                 dtype=None,  # torch.float16 or torch.bfloat16; None: float16 on CUDA, bfloat16 on the CPU
+                 sync_free=None,  # take a step with an inf back on the device, read later; None: on CUDA
+                ):
+        if sync_free not in (None, True, False): raise ValueError(f"sync_free must be None, True or False, got {sync_free!r}")
+        self.dtype, self.sync_free, self.scaler, self._saved_scaler = dtype, sync_free, None, None
+        self.skipped, self._undo, self._pending = 0, None, None
+
+    def before_fit(self):
+        self.device_type = next(self.model.parameters()).device.type
+        if self.dtype is None: self.dtype = torch.float16 if self.device_type == 'cuda' else torch.bfloat16
+        self.scaler = torch.amp.GradScaler(self.device_type) if self.dtype == torch.float16 else None
+        if self.scaler is not None and self._saved_scaler is not None: self.scaler.load_state_dict(self._saved_scaler)
+        self._saved_scaler, self._autocast, self.skipped, self._undo, self._pending = None, None, 0, None, None
+        # A callback that adds up several batches' gradients (GradientAccumulation, below) keeps a batch's only once it
+        # knows they are finite: with one, the answer is waited for on CUDA too, unless `sync_free` says otherwise.
+        accumulated = any(getattr(cb, 'accumulates_grads', False) for cb in self.learn.cbs)
+        self._deferred = self.sync_free if self.sync_free is not None else self.device_type == 'cuda' and not accumulated
+
+    def before_batch(self):
+        self._unscaled = False
+        self._autocast = torch.autocast(self.device_type, dtype=self.dtype)
+        self._autocast.__enter__()
+
+    def after_loss(self):
+        self._leave_autocast()
+        if self.training and self.scaler is not None: self.learn.loss_grad = self.scaler.scale(self.loss_grad)
+
+    def after_batch(self):
+        self._leave_autocast()
+        # Update the scale once per unscaled batch, here, so that a batch cancelled after its backward updates it too.
+        if self._unscaled: self.scaler.update()
+        self._unscaled = False
+    def _leave_autocast(self):
+        if self._autocast is not None: self._autocast.__exit__(None, None, None)
+        self._autocast = None
+
+# %% ../../nbs/05_callbacks.ipynb #m02
 from ..learner import CancelStepException
 
 def _has_grads(opt):
     return any(p.grad is not None for group in opt.param_groups for p in group['params'])
 
+@patch
+def after_backward(self:MixedPrecision):
+    # A cancelled backward leaves no gradients: then there is nothing to unscale, check or update.
+    if self.scaler is None or not _has_grads(self.opt): return
+    self.scaler.unscale_(self.opt)
+    self._unscaled = True
+
+@patch
+def before_step(self:MixedPrecision):
+    if not self._unscaled: return
+    found = sum(self.scaler._found_inf_per_device(self.opt).values())
+    if not self._deferred:
+        if found.item(): self.skipped += 1; raise CancelStepException()
+        return
+    self._settle()  # the last step's answer, on the host by now (it waits only if the GPU is a whole step behind)
+    self._undo = StepUndo(self.opt, found)
+
+# %% ../../nbs/05_callbacks.ipynb #m04
 class StepUndo:
     "An optimizer step that is taken back if `found` (a 0-d device tensor) is set, without the host waiting for it."
     def __init__(self, opt, found):
@@ -343,86 +384,39 @@ class StepUndo:
                     self.opt.state[p].update(state)
         return bad
 
-class MixedPrecision(Callback):
-    "Forward pass and loss under `torch.autocast` (`dtype` default: float16 on CUDA, bfloat16 on CPU), with loss scaling for float16."
-    order = 10
-    def __init__(self,
-                 dtype=None,  # torch.float16 or torch.bfloat16; None: float16 on CUDA, bfloat16 on the CPU
-                 sync_free=None,  # take a step with an inf back on the device, read later; None: on CUDA
-                ):
-        if sync_free not in (None, True, False): raise ValueError(f"sync_free must be None, True or False, got {sync_free!r}")
-        self.dtype, self.sync_free, self.scaler, self._saved_scaler = dtype, sync_free, None, None
-        self.skipped, self._undo, self._pending = 0, None, None
+# %% ../../nbs/05_callbacks.ipynb #m06
+@patch
+def after_step(self:MixedPrecision):
+    if self._undo is None: return
+    self._undo.undo_on_device()
+    self._undo, self._pending = None, self._undo
 
-    def before_fit(self):
-        self.device_type = next(self.model.parameters()).device.type
-        if self.dtype is None: self.dtype = torch.float16 if self.device_type == 'cuda' else torch.bfloat16
-        self.scaler = torch.amp.GradScaler(self.device_type) if self.dtype == torch.float16 else None
-        if self.scaler is not None and self._saved_scaler is not None: self.scaler.load_state_dict(self._saved_scaler)
-        self._saved_scaler, self._autocast, self.skipped, self._undo, self._pending = None, None, 0, None, None
-        # A callback that adds up several batches' gradients (GradientAccumulation, below) keeps a batch's only once it
-        # knows they are finite: with one, the answer is waited for on CUDA too, unless `sync_free` says otherwise.
-        accumulated = any(getattr(cb, 'accumulates_grads', False) for cb in self.learn.cbs)
-        self._deferred = self.sync_free if self.sync_free is not None else self.device_type == 'cuda' and not accumulated
+@patch
+def after_train(self:MixedPrecision): self._settle()  # before anything saves the optimizer's state at the epoch's end
 
-    def state_dict(self):
-        "The loss scaler's state (scale, growth tracker) and the steps skipped, so that a resumed fit goes on from them."
-        return {'scaler': self.scaler.state_dict() if self.scaler is not None else self._saved_scaler,
-                'skipped': self.skipped}
+@patch
+def _settle(self:MixedPrecision):
+    if self._pending is not None and self._pending.settle(): self.skipped += 1
+    self._pending = None
 
-    def load_state_dict(self, state):
-        "Restore the scaler's state now, or at the next fit's start if its scaler does not exist yet."
-        if state['scaler'] is not None and self.scaler is not None: self.scaler.load_state_dict(state['scaler'])
-        else: self._saved_scaler = state['scaler']
-        self.skipped = state.get('skipped', 0)  # absent from checkpoints written before it was kept
+@patch
+def cleanup_fit(self:MixedPrecision):
+    self._leave_autocast()
+    self._settle()
 
-    def before_batch(self):
-        self._unscaled = False
-        self._autocast = torch.autocast(self.device_type, dtype=self.dtype)
-        self._autocast.__enter__()
+# %% ../../nbs/05_callbacks.ipynb #m08
+@patch
+def state_dict(self:MixedPrecision):
+    "The loss scaler's state (scale, growth tracker) and the steps skipped, so that a resumed fit goes on from them."
+    return {'scaler': self.scaler.state_dict() if self.scaler is not None else self._saved_scaler,
+            'skipped': self.skipped}
 
-    def after_loss(self):
-        self._leave_autocast()
-        if self.training and self.scaler is not None: self.learn.loss_grad = self.scaler.scale(self.loss_grad)
-
-    def after_backward(self):
-        # A cancelled backward leaves no gradients: then there is nothing to unscale, check or update.
-        if self.scaler is None or not _has_grads(self.opt): return
-        self.scaler.unscale_(self.opt)
-        self._unscaled = True
-
-    def before_step(self):
-        if not self._unscaled: return
-        found = sum(self.scaler._found_inf_per_device(self.opt).values())
-        if not self._deferred:
-            if found.item(): self.skipped += 1; raise CancelStepException()
-            return
-        self._settle()  # the last step's answer, on the host by now (it waits only if the GPU is a whole step behind)
-        self._undo = StepUndo(self.opt, found)
-
-    def after_step(self):
-        if self._undo is None: return
-        self._undo.undo_on_device()
-        self._undo, self._pending = None, self._undo
-
-    def after_train(self): self._settle()  # before anything saves the optimizer's state at the epoch's end
-
-    def _settle(self):
-        if self._pending is not None and self._pending.settle(): self.skipped += 1
-        self._pending = None
-
-    def after_batch(self):
-        self._leave_autocast()
-        # Update the scale once per unscaled batch, here, so that a batch cancelled after its backward updates it too.
-        if self._unscaled: self.scaler.update()
-        self._unscaled = False
-    def cleanup_fit(self):
-        self._leave_autocast()
-        self._settle()
-
-    def _leave_autocast(self):
-        if self._autocast is not None: self._autocast.__exit__(None, None, None)
-        self._autocast = None
+@patch
+def load_state_dict(self:MixedPrecision, state):
+    "Restore the scaler's state now, or at the next fit's start if its scaler does not exist yet."
+    if state['scaler'] is not None and self.scaler is not None: self.scaler.load_state_dict(state['scaler'])
+    else: self._saved_scaler = state['scaler']
+    self.skipped = state.get('skipped', 0)  # absent from checkpoints written before it was kept
 
 # %% ../../nbs/05_callbacks.ipynb #g02
 class GradientAccumulation(Callback):
@@ -434,14 +428,6 @@ class GradientAccumulation(Callback):
     def __init__(self, n_acc=32):  # samples per step (of all processes, when several train together)
         check_count('n_acc', n_acc)
         self.n_acc, self.count, self.grads = n_acc, 0, None  # samples and gradients set aside since the last step
-
-    def check_fit(self):
-        if not hasattr(self.dls.train, '__len__'):
-            raise ValueError("GradientAccumulation steps at the last batch of every epoch, which it knows from the "
-                             "training loader's len(): this loader has none")
-        if any(isinstance(cb, MixedPrecision) and cb.sync_free for cb in self.learn.cbs):
-            raise ValueError("MixedPrecision(sync_free=True) steps before it knows whether the gradients are finite; "
-                             "GradientAccumulation must know it before it keeps them: use MixedPrecision(sync_free=None)")
 
     def before_fit(self): self.count, self.grads = 0, None
     def before_batch(self): self._keeping = False
@@ -458,37 +444,94 @@ class GradientAccumulation(Callback):
             raise CancelStepException()
         self._add_kept(seen)
 
-    def after_cancel_batch(self): self._keeping = False  # the learner cleared its gradients
     def after_batch(self):
         if self._keeping: self._set_aside()
 
-    def after_train(self): self.count, self.grads = 0, None  # a training phase cut short: its last batches are dropped
-
     def _params(self): return [p for group in self.opt.param_groups for p in group['params']]
 
-    def _set_aside(self):
-        "Take the batch's gradients out of `.grad` (a later batch cancelled halfway then cannot reach them) and add them up."
-        grads = [p.grad for p in self._params()]
-        for p in self._params(): p.grad = None
-        self.grads = grads if self.grads is None else [
-            kept if grad is None else grad if kept is None else kept.add_(grad) for kept, grad in zip(self.grads, grads)]
-        self.count += self._samples
+# %% ../../nbs/05_callbacks.ipynb #ga2
+@patch
+def _set_aside(self:GradientAccumulation):
+    "Take the batch's gradients out of `.grad` (a later batch cancelled halfway then cannot reach them) and add them up."
+    grads = [p.grad for p in self._params()]
+    for p in self._params(): p.grad = None
+    self.grads = grads if self.grads is None else [
+        kept if grad is None else grad if kept is None else kept.add_(grad) for kept, grad in zip(self.grads, grads)]
+    self.count += self._samples
 
-    @torch.no_grad()
-    def _add_kept(self, seen):
-        "Before the step: the gradients set aside added to this batch's, scaled to the mean over the `seen` samples."
-        for p, kept in zip(self._params(), self.grads or []):
-            if kept is None: continue
-            kept = kept.to(p.device)  # on the CPU when a resumed fit read them from its checkpoint
-            if p.grad is None: p.grad = kept
-            else: p.grad.add_(kept)
-        if seen != self.n_acc:
-            for p in self._params():
-                if p.grad is not None: p.grad.mul_(self.n_acc / seen)
-        self.count, self.grads = 0, None
+@patch
+@torch.no_grad()
+def _add_kept(self:GradientAccumulation, seen):
+    "Before the step: the gradients set aside added to this batch's, scaled to the mean over the `seen` samples."
+    for p, kept in zip(self._params(), self.grads or []):
+        if kept is None: continue
+        kept = kept.to(p.device)  # on the CPU when a resumed fit read them from its checkpoint
+        if p.grad is None: p.grad = kept
+        else: p.grad.add_(kept)
+    if seen != self.n_acc:
+        for p in self._params():
+            if p.grad is not None: p.grad.mul_(self.n_acc / seen)
+    self.count, self.grads = 0, None
 
-    def state_dict(self):
-        "The samples and the gradients set aside since the last step: a fit resumed between two steps goes on exactly."
-        return {'count': self.count, 'grads': self.grads}
+# %% ../../nbs/05_callbacks.ipynb #u02
+@patch
+def _means_over_processes(self:Recorder, columns):
+    "Each column's mean weighted by batch size over the validation batches of every process (each had a shard)."
+    sizes = torch.tensor(self._valid_sizes, dtype=torch.float64)
+    sums = [(_stack(c).double().cpu() * sizes).sum() if c else torch.zeros((), dtype=torch.float64) for c in columns]
+    totals = self.learn.processes.sum(torch.stack(sums + [sizes.sum()]))
+    return list((totals[:-1] / totals[-1]).unbind())
 
-    def load_state_dict(self, state): self.count, self.grads = state['count'], state['grads']
+# %% ../../nbs/05_callbacks.ipynb #u04
+def _cpu_tensor(tensors): return torch.cat([t.detach().cpu().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+
+@patch
+def pending_row(self:Recorder):
+    "The row `after_epoch` is about to add, once the epoch's training and validation are over (else None)."
+    validation_due = self.learn.dls.valid is not None and self._valid_row is None
+    return None if self._train_loss is None or validation_due else self._epoch_row()
+
+@patch
+def state_dict(self:Recorder, values=None):
+    "The history: batch losses (those of the epoch in progress apart), hyper-parameters per batch, rows (or `values`)."
+    return {'losses': _cpu_tensor(self._loss_chunks), 'epoch_losses': _cpu_tensor(self._epoch_losses),
+            'epoch_sizes': list(self._epoch_sizes), 'hps': {k: list(v) for k, v in self.hps.items()},
+            'values': [list(r) for r in (self.values if values is None else values)]}
+
+@patch
+def load_state_dict(self:Recorder, state):
+    "Take the history `state_dict` saved."
+    self._loss_chunks = [state['losses']] if len(state['losses']) else []
+    self.hps = defaultdict(list, {k: list(v) for k, v in state['hps'].items()})
+    self.values = [list(r) for r in state['values']]
+    self.load_epoch_in_progress(state)
+
+@patch
+def load_epoch_in_progress(self:Recorder, state):
+    "Take the losses of the epoch in progress that `state_dict` saved (a fit resumed mid-epoch)."
+    self._epoch_losses, self._epoch_sizes = list(state['epoch_losses'].unbind()), list(state['epoch_sizes'])
+
+# %% ../../nbs/05_callbacks.ipynb #u06
+@patch
+def check_fit(self:GradientAccumulation):
+    if not hasattr(self.dls.train, '__len__'):
+        raise ValueError("GradientAccumulation steps at the last batch of every epoch, which it knows from the "
+                         "training loader's len(): this loader has none")
+    if any(isinstance(cb, MixedPrecision) and cb.sync_free for cb in self.learn.cbs):
+        raise ValueError("MixedPrecision(sync_free=True) steps before it knows whether the gradients are finite; "
+                         "GradientAccumulation must know it before it keeps them: use MixedPrecision(sync_free=None)")
+
+@patch
+def after_cancel_batch(self:GradientAccumulation): self._keeping = False  # the learner cleared its gradients
+
+@patch
+def after_train(self:GradientAccumulation):  # a training phase cut short: its last batches are dropped
+    self.count, self.grads = 0, None
+
+@patch
+def state_dict(self:GradientAccumulation):
+    "The samples and the gradients set aside since the last step: a fit resumed between two steps goes on exactly."
+    return {'count': self.count, 'grads': self.grads}
+
+@patch
+def load_state_dict(self:GradientAccumulation, state): self.count, self.grads = state['count'], state['grads']

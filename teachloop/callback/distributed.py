@@ -36,11 +36,11 @@ from ..random_state import set_seed
 from .schedule import LRFinder, fit_one_cycle  # the import adds `Learner.fit_one_cycle`, which `digits_fit` uses
 
 # %% auto #0
-__all__ = ['init_distributed', 'free_port', 'RankFailed', 'run_ranks', 'all_reduce_demo', 'ShardSampler', 'check_shardable',
-           'shard_loader', 'shard_dls', 'sum_over_processes', 'any_process', 'ProcessGroup', 'check_world',
-           'DistributedTrainer', 'RanksDisagree', 'digits_fit', 'digits_bn_cnn', 'DifferentiableSum', 'global_moments',
-           'GlobalBatchNorm', 'batch_norm_layers', 'check_batch_norms', 'synced_copy', 'swap_batch_norms',
-           'PoisonBatch', 'nan_on_one_rank']
+__all__ = ['init_distributed', 'all_reduce_demo', 'ShardSampler', 'check_shardable', 'shard_loader', 'shard_dls',
+           'sum_over_processes', 'any_process', 'ProcessGroup', 'check_world', 'DistributedTrainer', 'digits_fit',
+           'digits_bn_cnn', 'RanksDisagree', 'DifferentiableSum', 'global_moments', 'GlobalBatchNorm',
+           'batch_norm_layers', 'check_batch_norms', 'synced_copy', 'swap_batch_norms', 'PoisonBatch',
+           'nan_on_one_rank', 'free_port', 'RankFailed', 'run_ranks']
 
 # %% ../../nbs/15_distributed.ipynb #c005
 def init_distributed(backend=None,  # 'gloo' (CPUs) or 'nccl' (GPUs); None: nccl when there is a GPU, else gloo
@@ -54,88 +54,6 @@ def _join_group(backend, timeout):
     if backend is None: backend = 'nccl' if torch.cuda.is_available() else 'gloo'
     if backend == 'nccl': torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', '0')))
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout))
-
-# %% ../../nbs/15_distributed.ipynb #c006
-def free_port():
-    "A TCP port of this machine that nothing listens on now: where the processes of `run_ranks` meet."
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0))
-        return s.getsockname()[1]
-
-def _run_rank(rank, world_size, port, backend, timeout, threads, interruptible, fn, args, results):
-    "What each process of `run_ranks` runs: join the group, run `fn(*args)`, send its result back."
-    if interruptible: signal.signal(signal.SIGINT, signal.default_int_handler)  # a Ctrl-C stops a fit as in the notebook
-    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
-    torch.set_num_threads(threads)
-    _join_group(backend, timeout)  # a world of 1 too: a single GPU still trains through DDP and nccl
-    try: result = fn(*args)
-    except BaseException as e:  # the parent names the rank that failed first, not one that failed because of it
-        results.put((rank, 'error', (time.monotonic(), f"{type(e).__name__}: {e}", traceback.format_exc())))
-        raise
-    finally: dist.destroy_process_group()
-    # pickled here: torch's queues would hand tensors over in shared memory, gone once this process has ended
-    results.put((rank, 'result', pickle.dumps(result)))
-
-class RankFailed(RuntimeError):
-    "A process started by `run_ranks` raised (or died): the others were stopped."
-
-# %% ../../nbs/15_distributed.ipynb #c007
-def _stop_on_interrupt(context, grace):
-    "Pass a Ctrl-C on to every process, give them `grace` seconds to stop after their batch, then end the rest."
-    for process in context.processes:
-        if process.is_alive(): os.kill(process.pid, signal.SIGINT)
-    deadline = time.monotonic() + grace
-    while any(p.is_alive() for p in context.processes) and time.monotonic() < deadline: time.sleep(0.05)
-
-def _end_all(context):
-    for process in context.processes:
-        if process.is_alive(): process.kill()
-        process.join()
-
-def run_ranks(fn,  # a function importable by a new process (defined in a module, not in the notebook)
-              *args,  # its arguments (they are pickled)
-              world_size=2,  # how many processes
-              backend='gloo',  # 'gloo' for CPUs; 'nccl' needs a GPU for each process
-              timeout=300.,  # seconds they may take in all, and that a collective may wait
-              threads=None,  # torch threads per process; None: this process's threads shared out
-              grace=60.,  # seconds the processes get to stop after a Ctrl-C (and write their checkpoint)
-              start_method='spawn',  # 'spawn' (new interpreters: safe in a notebook) or 'fork' (quicker, from a script)
-             ):
-    "Run `fn(*args)` in `world_size` new processes of this machine that train together; return their results, by rank."
-    threads = threads or max(1, torch.get_num_threads() // world_size)
-    interruptible = signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    results = mp.get_context(start_method).SimpleQueue()
-    context = mp.start_processes(_run_rank, nprocs=world_size, join=False, start_method=start_method,
-                                 args=(world_size, free_port(), backend, timeout, threads, interruptible, fn, args, results))
-    found, errors, deadline = {}, {}, time.monotonic() + timeout
-    def collect():
-        while not results.empty():
-            rank, kind, value = results.get()
-            if kind == 'result': found[rank] = pickle.loads(value)
-            else: errors[rank] = value
-    try:
-        while not context.join(timeout=0.05):  # raises when a process failed, once it has ended the others
-            collect()
-            if time.monotonic() > deadline: raise TimeoutError(f"the {world_size} processes took more than {timeout} s")
-    except KeyboardInterrupt:
-        _stop_on_interrupt(context, grace)
-        raise
-    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
-        collect()
-        raise _first_failure(errors, e, world_size) from None
-    finally: _end_all(context)
-    collect()
-    if len(found) < world_size:  # a rank ended by a Ctrl-C of its own (torch's wrapper lets it exit quietly)
-        raise _first_failure(errors, None, world_size)
-    return [found[rank] for rank in range(world_size)]
-
-def _first_failure(errors, exception, world_size):
-    "The error of the rank that failed first (the others' often only say that it went away)."
-    if not errors: return RankFailed(f"rank {getattr(exception, 'error_index', '?')} of {world_size} died without a "
-                                     f"result; the others were stopped:\n{exception}")
-    rank, (_, summary, trace) = min(errors.items(), key=lambda item: item[1][0])
-    return RankFailed(f"rank {rank} of {world_size} raised {summary}; the others were stopped.\n{trace}")
 
 # %% ../../nbs/15_distributed.ipynb #c009
 def all_reduce_demo():
@@ -236,25 +154,6 @@ class DistributedTrainer(Callback):
         self._agreed = (signal.SIGINT, None)  # the Ctrl-C that every rank knows of, delivered by the learner's gate
         self._reset_messages()
 
-    def _reset_messages(self):
-        # the losses since the last message (the last one counted before its backward) and whether a Ctrl-C came; the
-        # losses a message carries, the message for the gradients' hook, what came back (the hook's), the Ctrl-C flag on
-        # its way through the host's group (nccl)
-        self._losses, self._counted, self._here = [], None, False
-        self._stop_here, self._stop_agreed = False, False  # a stop request (a dashboard's button) in this rank, in all
-        self._sent, self._outgoing, self._incoming, self._flag = [], None, None, None
-
-    def check_fit(self):
-        if not isinstance(getattr(self.learn.dls.train, 'sampler', None), DistributedSampler):
-            raise ValueError("DistributedTrainer trains each process on its shard of the data: use it through "
-                             "`with learn.distributed(): learn.fit(...)`, which shares the loaders out")
-        alone = [type(cb).__name__ for cb in self.learn.cbs if isinstance(cb, _DECIDE_ALONE)]
-        if alone and process_count() > 1:
-            raise ValueError(f"{', '.join(alone)} would stop the fit on this process's own batch loss, which the other "
-                             "processes do not see: they would wait for it forever. Find the learning rate in one "
-                             "process; stop on non-finite gradients with NaNCapture, which agrees with the others")
-        self._agree_on('fit')  # last: a fit that every rank refuses alike needs no word with the others
-
     def before_fit(self):
         self._join()
         self._reset_messages()
@@ -270,135 +169,9 @@ class DistributedTrainer(Callback):
         self.learn.interrupts.defer = self._defer_interrupt  # a Ctrl-C noted after this callback's `after_batch`
         if self.world_size > 1: self.learn.stop_agreement = self._request_stop  # a stop request reaches every rank too
 
-    def before_validate(self):
-        if not self._joined: self._agree_on('validate')  # `learn.validate()` or `get_preds` in the block, outside a fit
-        self._join()
-
     def before_train(self): self.learn.dls.train.sampler.set_epoch(self.learn.epoch)
-    def before_batch(self):
-        if self._stop_agreed: raise CancelFitException()  # in every rank, before the same batch
 
-    def before_backward(self):
-        learn = self.learn  # read directly: this runs every batch
-        if not self.distributed: return
-        self._hold_interrupt(learn.interrupts)
-        self._losses.append(learn.loss)
-        self._counted = learn.loss
-        if len(self._losses) >= self.agree_every or learn.iter == learn.n_iter - 1: self._send()
-
-    def after_batch(self):
-        learn = self.learn
-        if not learn.training or not self.distributed: return
-        self._hold_interrupt(learn.interrupts)
-        if learn.loss is not None and learn.loss is not self._counted: self._losses.append(learn.loss)  # no backward came
-        stop = self._receive() if self._sent else False
-        if learn.iter == learn.n_iter - 1 and learn.epoch == learn.n_epoch - 1:
-            # no message follows the fit's last step: a Ctrl-C that came after its message had left is sent now
-            self._send()
-            stop = self._receive() or stop
-        if stop: learn.interrupts.pending = self._agreed  # in every rank, after this same batch
-
-    def after_train(self): self._flush()  # a training phase cut short: its last losses too
-    def after_fit(self):
-        self._flush()  # a fit stopped by NaNCapture, in every rank: its last losses too
-        # a fit stopped in its training phase may have stopped between DDP's forward and backward: a new wrapper then
-        self._ddp_clean = not self.learn.training
-
-    def cleanup_fit(self):
-        self.learn.processes = OneProcess()
-        self.learn.training_module, self.learn.interrupts.defer, self._joined = None, None, False
-        self.learn.stop_agreement = None
-        self._reset_messages()  # a fit ended by an error may leave a message the other ranks will never answer
-
-    def restore_shown(self):
-        "Give back to the callbacks quietened in ranks other than 0 what they showed or saved (when the block ends)."
-        for _, show_again in self._quietened: show_again()
-        self._quietened = []
-
-    def restore_batch_norms(self):
-        "Put back the model's own BatchNorm layers (`sync_bn=True`, when the block ends), in the mode their copies were in."
-        for owner, name, layer in reversed(self._batch_norms):
-            layer.training = getattr(owner, name).training
-            setattr(owner, name, layer)
-        self._batch_norms, self._synced_kind = [], None
-
-def _device_ids(device): return [device.index] if device.type == 'cuda' else None
-
-# Callbacks that stop a fit on a value only this process has seen (its batch's loss), without asking the others.
-_DECIDE_ALONE = (LRFinder, TerminateOnNaN)
-
-# %% ../../nbs/15_distributed.ipynb #c023
-def _carry_messages(callback, bucket):
-    "DDP's all-reduce of a bucket of gradients (their mean), which also carries the callback's message, if it has one."
-    message, grads = callback._outgoing, bucket.buffer()
-    # a bucket of another dtype than the losses' would round them (bf16 weights, a float32 loss): they go on their own
-    if message is None or bucket.index() != 0 or message.dtype != grads.dtype:  # as DDP does without a hook
-        return dist.all_reduce(grads.div_(callback.world_size), async_op=True).get_future().then(_first_tensor)
-    callback._outgoing, size = None, len(message)
-    both = torch.cat([grads, message.to(grads)]).div_(callback.world_size)  # means: of the gradients and of the losses
-    def split(done):
-        total = done.value()[0]
-        grads.copy_(total[:-size])
-        callback._incoming = total[-size:]
-        return grads
-    return dist.all_reduce(both, async_op=True).get_future().then(split)
-
-def _first_tensor(done): return done.value()[0]  # DDP takes a future of a tensor, all_reduce's is of a list of them
-
-@patch
-def _hold_interrupt(self:DistributedTrainer, gate):
-    "A Ctrl-C that came to this rank is held back until every rank knows of it."
-    if gate.pending is not None: self._here, gate.pending = True, None
-
-@patch
-def _defer_interrupt(self:DistributedTrainer, pending):
-    "The gate's `defer`: keep a Ctrl-C that came to this rank alone for the next message; deliver the agreed one."
-    if pending is self._agreed: return False
-    self._here = True
-    return True
-
-@patch
-def _request_stop(self:DistributedTrainer):
-    "The learner's `stop_agreement`: a stop requested in this rank goes with the next message, and every rank stops."
-    self._stop_here = True
-
-@patch
-def _send(self:DistributedTrainer):
-    "Hand this step's gradients the losses since the last message and whether a Ctrl-C came (nccl: the flag goes by the host)."
-    self._sent, self._losses = self._losses, []
-    losses = torch.stack(self._sent) if self._sent else torch.zeros(0)  # none: the Ctrl-C flag alone
-    flag = torch.tensor([float(self._here), float(self._stop_here)])  # a Ctrl-C, a stop request
-    self._here = self._stop_here = False
-    if self._host_group is None: self._outgoing = torch.cat([losses, flag.to(losses)])  # gloo: one message carries both
-    else:  # the losses stay on their GPU (no wait for them), the flag is a host value
-        self._outgoing, self._flag = losses, (flag, dist.all_reduce(flag, group=self._host_group, async_op=True))
-
-@patch
-def _receive(self:DistributedTrainer):
-    "Write the mean losses that came back where the Recorder reads them; whether any rank had a Ctrl-C."
-    incoming, self._incoming = self._incoming, None
-    if incoming is None:  # no backward carried the message (its step ended before, in every rank): on its own, now
-        incoming, self._outgoing = self._outgoing.div_(self.world_size), None
-        if len(incoming): dist.all_reduce(incoming)  # (nccl with the flag alone: nothing for the GPUs to sum)
-    if self._flag is None: losses, flag = incoming[:-2], incoming[-2:]
-    else:
-        (flag, work), losses, self._flag = self._flag, incoming, None
-        work.wait()
-    for kept, mean in zip(self._sent, losses.unbind()): kept.copy_(mean)  # the tensors the Recorder holds
-    self._sent = []
-    interrupted, stop = (bool(f > 0) for f in flag.tolist())
-    self._stop_agreed = self._stop_agreed or stop  # the next batch is cancelled, then the fit, in every rank
-    return interrupted
-
-@patch
-def _flush(self:DistributedTrainer):
-    "At a training phase's or a fit's end: the message on hand and the losses not sent yet, agreed on now."
-    if not self.distributed: return
-    if self._sent: self._receive()
-    if self._losses:
-        self._send()
-        self._receive()
-
+# %% ../../nbs/15_distributed.ipynb #u03
 @patch
 def _join(self:DistributedTrainer):
     "Once per fit (or validation): this rank and the world's size, the group for host values, the learner's processes."
@@ -409,47 +182,7 @@ def _join(self:DistributedTrainer):
     if not self.distributed: return
     self.learn.processes = ProcessGroup(self._host())
 
-@patch
-def _host(self:DistributedTrainer):
-    "The group for values read on the host (the Ctrl-C flag, the validation sums): gloo's, also when the gradients use nccl."
-    if not self._made_host_group:  # once per block: making a group is a collective
-        self._host_group = None if dist.get_backend() == 'gloo' else dist.new_group(backend='gloo')
-        self._made_host_group = True
-    return self._host_group
-
-class RanksDisagree(RuntimeError):
-    "The processes of a data-parallel run were about to do different things in `with learn.distributed()`."
-
-# What a rank may be about to do in the block, as the error tells it.
-_ACTIONS = {'fit': 'fits', 'validate': 'validates (learn.validate or learn.get_preds)', 'leave': 'leaves the block'}
-
-@patch
-def _agree_on(self:DistributedTrainer, action):
-    "Tell the other ranks what this one is about to do (one small collective); raise `RanksDisagree` in each if they differ."
-    if not several_processes(): return
-    names = list(_ACTIONS)
-    mine = torch.tensor([names.index(action)])
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine, group=self._host())
-    actions = [names[int(code)] for code in everyone]
-    if len(set(actions)) > 1: raise RanksDisagree(_disagreement(actions))
-
-def _disagreement(actions):
-    "What each rank was about to do, and what to do instead."
-    ranks = {action: [r for r, a in enumerate(actions) if a == action] for action in dict.fromkeys(actions)}
-    said = '; '.join(f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))} {_ACTIONS[a]}" for a, rs in ranks.items())
-    return (f"the processes do different things in `with learn.distributed()`: {said}. Each step of a fit and each "
-            "validation meets the other ranks in collectives, so every rank must make the same calls in the block: "
-            "validate on every rank, or after the block (each rank then validates the whole set alone); fit on every rank")
-
-@patch
-def _quieten(self:DistributedTrainer):
-    "Ask this rank's callbacks to show and write nothing for the reader (ranks other than 0), each once until the block ends."
-    asked = {id(cb) for cb, _ in self._quietened}
-    for cb in self.learn.cbs:
-        if id(cb) in asked: continue
-        show_again = cb.quieten()
-        if show_again is not None: self._quietened.append((cb, show_again))
+def _device_ids(device): return [device.index] if device.type == 'cuda' else None
 
 # %% ../../nbs/15_distributed.ipynb #c024
 @patch
@@ -504,6 +237,210 @@ def digits_bn_cnn():
     model = digits_cnn()
     for block in model[:3]: block.insert(1, nn.BatchNorm2d(block[0].out_channels))
     return model
+
+# %% ../../nbs/15_distributed.ipynb #u06
+@patch
+def check_fit(self:DistributedTrainer):
+    if not isinstance(getattr(self.learn.dls.train, 'sampler', None), DistributedSampler):
+        raise ValueError("DistributedTrainer trains each process on its shard of the data: use it through "
+                         "`with learn.distributed(): learn.fit(...)`, which shares the loaders out")
+    alone = [type(cb).__name__ for cb in self.learn.cbs if isinstance(cb, _DECIDE_ALONE)]
+    if alone and process_count() > 1:
+        raise ValueError(f"{', '.join(alone)} would stop the fit on this process's own batch loss, which the other "
+                         "processes do not see: they would wait for it forever. Find the learning rate in one "
+                         "process; stop on non-finite gradients with NaNCapture, which agrees with the others")
+    self._agree_on('fit')  # last: a fit that every rank refuses alike needs no word with the others
+
+@patch
+def before_validate(self:DistributedTrainer):
+    if not self._joined: self._agree_on('validate')  # `learn.validate()` or `get_preds` in the block, outside a fit
+    self._join()
+
+# Callbacks that stop a fit on a value only this process has seen (its batch's loss), without asking the others.
+_DECIDE_ALONE = (LRFinder, TerminateOnNaN)
+
+class RanksDisagree(RuntimeError):
+    "The processes of a data-parallel run were about to do different things in `with learn.distributed()`."
+
+# What a rank may be about to do in the block, as the error tells it.
+_ACTIONS = {'fit': 'fits', 'validate': 'validates (learn.validate or learn.get_preds)', 'leave': 'leaves the block'}
+
+@patch
+def _agree_on(self:DistributedTrainer, action):
+    "Tell the other ranks what this one is about to do (one small collective); raise `RanksDisagree` in each if they differ."
+    if not several_processes(): return
+    names = list(_ACTIONS)
+    mine = torch.tensor([names.index(action)])
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine, group=self._host())
+    actions = [names[int(code)] for code in everyone]
+    if len(set(actions)) > 1: raise RanksDisagree(_disagreement(actions))
+
+def _disagreement(actions):
+    "What each rank was about to do, and what to do instead."
+    ranks = {action: [r for r, a in enumerate(actions) if a == action] for action in dict.fromkeys(actions)}
+    said = '; '.join(f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))} {_ACTIONS[a]}" for a, rs in ranks.items())
+    return (f"the processes do different things in `with learn.distributed()`: {said}. Each step of a fit and each "
+            "validation meets the other ranks in collectives, so every rank must make the same calls in the block: "
+            "validate on every rank, or after the block (each rank then validates the whole set alone); fit on every rank")
+
+@patch
+def _host(self:DistributedTrainer):
+    "The group for values read on the host (the Ctrl-C flag, the validation sums): gloo's, also when the gradients use nccl."
+    if not self._made_host_group:  # once per block: making a group is a collective
+        self._host_group = None if dist.get_backend() == 'gloo' else dist.new_group(backend='gloo')
+        self._made_host_group = True
+    return self._host_group
+
+# %% ../../nbs/15_distributed.ipynb #u07
+@patch
+def _quieten(self:DistributedTrainer):
+    "Ask this rank's callbacks to show and write nothing for the reader (ranks other than 0), each once until the block ends."
+    asked = {id(cb) for cb, _ in self._quietened}
+    for cb in self.learn.cbs:
+        if id(cb) in asked: continue
+        show_again = cb.quieten()
+        if show_again is not None: self._quietened.append((cb, show_again))
+
+@patch
+def restore_shown(self:DistributedTrainer):
+    "Give back to the callbacks quietened in ranks other than 0 what they showed or saved (when the block ends)."
+    for _, show_again in self._quietened: show_again()
+    self._quietened = []
+
+@patch
+def restore_batch_norms(self:DistributedTrainer):
+    "Put back the model's own BatchNorm layers (`sync_bn=True`, when the block ends), in the mode their copies were in."
+    for owner, name, layer in reversed(self._batch_norms):
+        layer.training = getattr(owner, name).training
+        setattr(owner, name, layer)
+    self._batch_norms, self._synced_kind = [], None
+
+# %% ../../nbs/15_distributed.ipynb #u09
+@patch
+def _reset_messages(self:DistributedTrainer):
+    # the losses since the last message (the last one counted before its backward) and whether a Ctrl-C came; the
+    # losses a message carries, the message for the gradients' hook, what came back (the hook's), the Ctrl-C flag on
+    # its way through the host's group (nccl)
+    self._losses, self._counted, self._here = [], None, False
+    self._stop_here, self._stop_agreed = False, False  # a stop request (a dashboard's button) in this rank, in all
+    self._sent, self._outgoing, self._incoming, self._flag = [], None, None, None
+
+@patch
+def before_batch(self:DistributedTrainer):
+    if self._stop_agreed: raise CancelFitException()  # in every rank, before the same batch
+
+@patch
+def before_backward(self:DistributedTrainer):
+    learn = self.learn  # read directly: this runs every batch
+    if not self.distributed: return
+    self._hold_interrupt(learn.interrupts)
+    self._losses.append(learn.loss)
+    self._counted = learn.loss
+    if len(self._losses) >= self.agree_every or learn.iter == learn.n_iter - 1: self._send()
+
+@patch
+def after_batch(self:DistributedTrainer):
+    learn = self.learn
+    if not learn.training or not self.distributed: return
+    self._hold_interrupt(learn.interrupts)
+    if learn.loss is not None and learn.loss is not self._counted: self._losses.append(learn.loss)  # no backward came
+    stop = self._receive() if self._sent else False
+    if learn.iter == learn.n_iter - 1 and learn.epoch == learn.n_epoch - 1:
+        # no message follows the fit's last step: a Ctrl-C that came after its message had left is sent now
+        self._send()
+        stop = self._receive() or stop
+    if stop: learn.interrupts.pending = self._agreed  # in every rank, after this same batch
+
+@patch
+def after_train(self:DistributedTrainer): self._flush()  # a training phase cut short: its last losses too
+
+@patch
+def after_fit(self:DistributedTrainer):
+    self._flush()  # a fit stopped by NaNCapture, in every rank: its last losses too
+    # a fit stopped in its training phase may have stopped between DDP's forward and backward: a new wrapper then
+    self._ddp_clean = not self.learn.training
+
+@patch
+def cleanup_fit(self:DistributedTrainer):
+    self.learn.processes = OneProcess()
+    self.learn.training_module, self.learn.interrupts.defer, self._joined = None, None, False
+    self.learn.stop_agreement = None
+    self._reset_messages()  # a fit ended by an error may leave a message the other ranks will never answer
+
+# %% ../../nbs/15_distributed.ipynb #c023
+def _carry_messages(callback, bucket):
+    "DDP's all-reduce of a bucket of gradients (their mean), which also carries the callback's message, if it has one."
+    message, grads = callback._outgoing, bucket.buffer()
+    # a bucket of another dtype than the losses' would round them (bf16 weights, a float32 loss): they go on their own
+    if message is None or bucket.index() != 0 or message.dtype != grads.dtype:  # as DDP does without a hook
+        return dist.all_reduce(grads.div_(callback.world_size), async_op=True).get_future().then(_first_tensor)
+    callback._outgoing, size = None, len(message)
+    both = torch.cat([grads, message.to(grads)]).div_(callback.world_size)  # means: of the gradients and of the losses
+    def split(done):
+        total = done.value()[0]
+        grads.copy_(total[:-size])
+        callback._incoming = total[-size:]
+        return grads
+    return dist.all_reduce(both, async_op=True).get_future().then(split)
+
+def _first_tensor(done): return done.value()[0]  # DDP takes a future of a tensor, all_reduce's is of a list of them
+
+# %% ../../nbs/15_distributed.ipynb #u12
+@patch
+def _hold_interrupt(self:DistributedTrainer, gate):
+    "A Ctrl-C that came to this rank is held back until every rank knows of it."
+    if gate.pending is not None: self._here, gate.pending = True, None
+
+@patch
+def _defer_interrupt(self:DistributedTrainer, pending):
+    "The gate's `defer`: keep a Ctrl-C that came to this rank alone for the next message; deliver the agreed one."
+    if pending is self._agreed: return False
+    self._here = True
+    return True
+
+@patch
+def _request_stop(self:DistributedTrainer):
+    "The learner's `stop_agreement`: a stop requested in this rank goes with the next message, and every rank stops."
+    self._stop_here = True
+
+# %% ../../nbs/15_distributed.ipynb #u13
+@patch
+def _send(self:DistributedTrainer):
+    "Hand this step's gradients the losses since the last message and whether a Ctrl-C came (nccl: the flag goes by the host)."
+    self._sent, self._losses = self._losses, []
+    losses = torch.stack(self._sent) if self._sent else torch.zeros(0)  # none: the Ctrl-C flag alone
+    flag = torch.tensor([float(self._here), float(self._stop_here)])  # a Ctrl-C, a stop request
+    self._here = self._stop_here = False
+    if self._host_group is None: self._outgoing = torch.cat([losses, flag.to(losses)])  # gloo: one message carries both
+    else:  # the losses stay on their GPU (no wait for them), the flag is a host value
+        self._outgoing, self._flag = losses, (flag, dist.all_reduce(flag, group=self._host_group, async_op=True))
+
+@patch
+def _receive(self:DistributedTrainer):
+    "Write the mean losses that came back where the Recorder reads them; whether any rank had a Ctrl-C."
+    incoming, self._incoming = self._incoming, None
+    if incoming is None:  # no backward carried the message (its step ended before, in every rank): on its own, now
+        incoming, self._outgoing = self._outgoing.div_(self.world_size), None
+        if len(incoming): dist.all_reduce(incoming)  # (nccl with the flag alone: nothing for the GPUs to sum)
+    if self._flag is None: losses, flag = incoming[:-2], incoming[-2:]
+    else:
+        (flag, work), losses, self._flag = self._flag, incoming, None
+        work.wait()
+    for kept, mean in zip(self._sent, losses.unbind()): kept.copy_(mean)  # the tensors the Recorder holds
+    self._sent = []
+    interrupted, stop = (bool(f > 0) for f in flag.tolist())
+    self._stop_agreed = self._stop_agreed or stop  # the next batch is cancelled, then the fit, in every rank
+    return interrupted
+
+@patch
+def _flush(self:DistributedTrainer):
+    "At a training phase's or a fit's end: the message on hand and the losses not sent yet, agreed on now."
+    if not self.distributed: return
+    if self._sent: self._receive()
+    if self._losses:
+        self._send()
+        self._receive()
 
 # %% ../../nbs/15_distributed.ipynb #c030f
 class DifferentiableSum(torch.autograd.Function):
@@ -605,3 +542,85 @@ def nan_on_one_rank(folder,  # where each rank's NaNCapture writes its file
     with learn.distributed(): learn.fit(2, cbs=[PoisonBatch(rank, at)])
     return {'train_iter': learn.train_iter, 'captured': learn.nan_capture.captured,
             'finite': all(bool(p.isfinite().all()) for p in learn.model.parameters())}
+
+# %% ../../nbs/15_distributed.ipynb #c006
+def free_port():
+    "A TCP port of this machine that nothing listens on now: where the processes of `run_ranks` meet."
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0))
+        return s.getsockname()[1]
+
+def _run_rank(rank, world_size, port, backend, timeout, threads, interruptible, fn, args, results):
+    "What each process of `run_ranks` runs: join the group, run `fn(*args)`, send its result back."
+    if interruptible: signal.signal(signal.SIGINT, signal.default_int_handler)  # a Ctrl-C stops a fit as in the notebook
+    os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(threads)
+    _join_group(backend, timeout)  # a world of 1 too: a single GPU still trains through DDP and nccl
+    try: result = fn(*args)
+    except BaseException as e:  # the parent names the rank that failed first, not one that failed because of it
+        results.put((rank, 'error', (time.monotonic(), f"{type(e).__name__}: {e}", traceback.format_exc())))
+        raise
+    finally: dist.destroy_process_group()
+    # pickled here: torch's queues would hand tensors over in shared memory, gone once this process has ended
+    results.put((rank, 'result', pickle.dumps(result)))
+
+class RankFailed(RuntimeError):
+    "A process started by `run_ranks` raised (or died): the others were stopped."
+
+# %% ../../nbs/15_distributed.ipynb #c007
+def _stop_on_interrupt(context, grace):
+    "Pass a Ctrl-C on to every process, give them `grace` seconds to stop after their batch, then end the rest."
+    for process in context.processes:
+        if process.is_alive(): os.kill(process.pid, signal.SIGINT)
+    deadline = time.monotonic() + grace
+    while any(p.is_alive() for p in context.processes) and time.monotonic() < deadline: time.sleep(0.05)
+
+def _end_all(context):
+    for process in context.processes:
+        if process.is_alive(): process.kill()
+        process.join()
+
+def run_ranks(fn,  # a function importable by a new process (defined in a module, not in the notebook)
+              *args,  # its arguments (they are pickled)
+              world_size=2,  # how many processes
+              backend='gloo',  # 'gloo' for CPUs; 'nccl' needs a GPU for each process
+              timeout=300.,  # seconds they may take in all, and that a collective may wait
+              threads=None,  # torch threads per process; None: this process's threads shared out
+              grace=60.,  # seconds the processes get to stop after a Ctrl-C (and write their checkpoint)
+              start_method='spawn',  # 'spawn' (new interpreters: safe in a notebook) or 'fork' (quicker, from a script)
+             ):
+    "Run `fn(*args)` in `world_size` new processes of this machine that train together; return their results, by rank."
+    threads = threads or max(1, torch.get_num_threads() // world_size)
+    interruptible = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    results = mp.get_context(start_method).SimpleQueue()
+    context = mp.start_processes(_run_rank, nprocs=world_size, join=False, start_method=start_method,
+                                 args=(world_size, free_port(), backend, timeout, threads, interruptible, fn, args, results))
+    found, errors, deadline = {}, {}, time.monotonic() + timeout
+    def collect():
+        while not results.empty():
+            rank, kind, value = results.get()
+            if kind == 'result': found[rank] = pickle.loads(value)
+            else: errors[rank] = value
+    try:
+        while not context.join(timeout=0.05):  # raises when a process failed, once it has ended the others
+            collect()
+            if time.monotonic() > deadline: raise TimeoutError(f"the {world_size} processes took more than {timeout} s")
+    except KeyboardInterrupt:
+        _stop_on_interrupt(context, grace)
+        raise
+    except (mp.ProcessRaisedException, mp.ProcessExitedException) as e:
+        collect()
+        raise _first_failure(errors, e, world_size) from None
+    finally: _end_all(context)
+    collect()
+    if len(found) < world_size:  # a rank ended by a Ctrl-C of its own (torch's wrapper lets it exit quietly)
+        raise _first_failure(errors, None, world_size)
+    return [found[rank] for rank in range(world_size)]
+
+def _first_failure(errors, exception, world_size):
+    "The error of the rank that failed first (the others' often only say that it went away)."
+    if not errors: return RankFailed(f"rank {getattr(exception, 'error_index', '?')} of {world_size} died without a "
+                                     f"result; the others were stopped:\n{exception}")
+    rank, (_, summary, trace) = min(errors.items(), key=lambda item: item[1][0])
+    return RankFailed(f"rank {rank} of {world_size} raised {summary}; the others were stopped.\n{trace}")

@@ -11,15 +11,16 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+from fastcore.basics import patch
 
 from ..core import atomic_save, check_count, check_save_path, several_processes, to_device
 from ..learner import Callback, CancelFitException, restore_training_state
 from ..random_state import rng_readers, same_state, saveable_rng, set_rng_states
 
 # %% auto #0
-__all__ = ['FiniteCheck', 'grads_are_finite', 'nonfinite_grads', 'cloned', 'AsyncFiniteCheck', 'tensors_in', 'PendingCheck',
-           'KeptStep', 'running_stat_layers', 'capture_file_name', 'NaNCapture', 'NaNReport', 'load_capture',
-           'watch_forward', 'graph_nodes', 'watch_backward', 'replay_nan']
+__all__ = ['FiniteCheck', 'grads_are_finite', 'nonfinite_grads', 'NaNCapture', 'KeptStep', 'running_stat_layers',
+           'capture_file_name', 'NaNReport', 'load_capture', 'tensors_in', 'watch_forward', 'graph_nodes',
+           'watch_backward', 'replay_nan', 'cloned', 'AsyncFiniteCheck', 'PendingCheck']
 
 # %% ../../nbs/12_nan_capture.ipynb #c011
 class FiniteCheck:
@@ -43,65 +44,91 @@ def nonfinite_grads(named_params):
     "Names of the parameters among `(name, param)` pairs whose gradient holds a NaN or an infinity."
     return [name for name, p in named_params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
 
-# %% ../../nbs/12_nan_capture.ipynb #c015
-def cloned(value):
-    "A copy of `value` (tensors, and the dicts, lists and tuples that hold them) that later in-place changes cannot reach."
-    if isinstance(value, torch.Tensor): return value.clone()
-    if isinstance(value, dict): return {k: cloned(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)): return type(value)(cloned(v) for v in value)
-    return value
-
-class AsyncFiniteCheck(FiniteCheck):
-    "A finiteness check of gradients whose answer is copied to the host without waiting; `ready` and `finite` read it."
-    def __init__(self, device):
-        super().__init__(device)
-        self.cuda = self.found.is_cuda
-        self.host = torch.zeros(1, pin_memory=True) if self.cuda else self.found
-        self.event = torch.cuda.Event() if self.cuda else None
-
-    def start(self, grads):
-        "Queue the check of `grads` and the copy of its answer to the host; returns at once."
-        self.found.zero_()
-        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found, self.one)
-        if self.cuda:
-            self.host.copy_(self.found, non_blocking=True)
-            self.event.record(torch.cuda.current_stream(self.found.device))  # the stream the copy was queued on
-
-    def ready(self): return not self.cuda or self.event.query()
-
-    def finite(self):
-        "Whether the checked gradients were all finite; waits only if the answer has not reached the host yet."
-        if self.cuda and not self.event.query(): self.event.synchronize()
-        return not self.host.item()
-
-def tensors_in(value):
-    "The tensors in `value` and in the dicts, lists and tuples it holds, in order."
-    if isinstance(value, torch.Tensor): return [value]
-    if isinstance(value, dict): value = value.values()
-    if isinstance(value, (list, tuple, type({}.values()))): return [t for v in value for t in tensors_in(v)]
-    return []
-
-class PendingCheck:
-    "A checked step whose answer is on its way: the copies needed to go back to before the step, and the check itself."
-    def __init__(self, grads, names, record, live, check):
-        self.names, self.record, self.check = names, record, check
-        self.grads = torch._foreach_mul(grads, 1.)  # copies: the optimizer step frees or changes the gradients
-        self.pairs = list(zip(tensors_in(live), tensors_in((record['model'], record['opt']))))
-        check.start(self.grads)
-
-    @torch.no_grad()
-    def undo_if_bad(self):
-        "On the device, without waiting: if the check found a non-finite gradient, put back the weights and optimizer state."
-        bad = self.check.found.bool().reshape(())  # 0-d, so that it broadcasts to 0-d state too (BatchNorm's counter)
-        for live, saved in self.pairs: live.copy_(torch.where(bad, saved, live))
-
-    def ready(self): return self.check.ready()
-    def finite(self): return self.check.finite()
-    def nonfinite(self):
-        "Names of the parameters whose copied gradient holds a NaN or an infinity."
-        return [n for n, g in zip(self.names, self.grads) if not bool(torch.isfinite(g).all())]
-
 # %% ../../nbs/12_nan_capture.ipynb #c016
+class NaNCapture(Callback):
+    "Before each optimizer step check the gradients; on a NaN or infinity save the step to `path` and stop the fit."
+    order, run_valid = 20, False
+    def __init__(self,
+                 path,  # file to write the captured step to, or a folder (the file is then `nan-capture[-rank<r>].pt` in it)
+                 check_every=1,  # check every this many training steps (see under the hood, at the end)
+                 rngs='auto',  # which random states to keep at every step: 'auto' or 'every_step' (see under the hood)
+                 sync_free=None,  # read each check's answer later instead of waiting for it; None: on a GPU with check_every > 1
+                ):
+        check_count('check_every', check_every)
+        if rngs not in ('auto', 'every_step'): raise ValueError(f"rngs must be 'auto' or 'every_step', got {rngs!r}")
+        if sync_free is not None and not isinstance(sync_free, bool):
+            raise ValueError(f"sync_free must be None, True or False, got {sync_free!r}")
+        self._target = path  # a file, or a folder whose file is named when each fit begins
+        self.path = self._capture_path()
+        self.check_every, self.rngs, self.sync_free = check_every, rngs, sync_free
+        self.name, self.captured, self._readers, self._pending = 'nan_capture', None, rng_readers(), None
+
+    @property
+    def step_rngs(self):
+        "The generators whose states are read at the start of every checked step (all of them until the first has run)."
+        return list(self._readers)
+
+# %% ../../nbs/12_nan_capture.ipynb #u02
+# the two handlers below run at every training step: they read the learner directly and write into `_kept`,
+# since falling through `self.<name>` to the learner and the warning check of callback attributes cost time here
+@patch
+def before_batch(self:NaNCapture):
+    learn = self.learn
+    if self._pending is not None and self._pending.ready(): self._resolve()
+    if learn.train_iter % self.check_every: return
+    kept = self._kept
+    kept.batch, kept.rng = (learn.xb, learn.yb), {name: read() for name, read in self._readers.items()}
+    if self._stat_layers: kept.running_stats = self._running_stats(copy=True)
+
+@patch
+def before_step(self:NaNCapture):
+    if self.learn.train_iter % self.check_every: return
+    if self._probe: self._end_probe()
+    grads = [g for p in self._params if (g := p.grad) is not None]
+    if not grads: return
+    if self._async_check is None:
+        finite = self._check(grads)
+        processes = self.learn.processes  # several train together: did any of them find a non-finite gradient?
+        if processes.several: finite = not processes.any(not finite)
+        if not finite: self._capture(nonfinite_grads(self._named))
+        return
+    if self._pending is not None: return  # the previous answer is still on its way: no second copy, no waiting
+    names = [n for n, p in self._named if p.grad is not None]
+    live = (self.model.state_dict(), self.opt.state_dict())
+    self._pending = PendingCheck(grads, names, self._step_record(copy=True, states=live), live, self._async_check)
+    self._undo_due = True
+
+# %% ../../nbs/12_nan_capture.ipynb #u04
+@patch
+def _capture(self:NaNCapture, bad):
+    self._put_back_running_stats()
+    self._save(self._step_record(), bad)
+    self.opt.zero_grad()
+    raise CancelFitException()
+
+@patch
+def _step_record(self:NaNCapture, copy=False, states=None):
+    "What the file keeps of the current step, read before its optimizer step (`copy`: copied, for a step that goes on)."
+    kept = self._kept.rng
+    rng = {name: kept[name] if name in kept else read() for name, read in rng_readers().items()}
+    model, opt = states or (self.model.state_dict(), self.opt.state_dict())
+    if copy: model, opt = cloned(model), cloned(opt)
+    model = {**model, **(self._kept.running_stats or {})}  # the weights and statistics from before the bad batch
+    return {'model': model, 'opt': opt, 'batch': self._kept.batch, 'rng': rng,
+            'rng_read_at': {name: 'start' if name in kept else 'end' for name in rng},
+            'epoch': self.epoch, 'iter': self.iter, 'train_iter': self.train_iter, 'loss': self.loss}
+
+@patch
+def _save(self:NaNCapture, record, bad, note=''):
+    model = record['model']
+    atomic_save({**record, 'format': 'teachloop-nan-capture', 'batch': to_device(record['batch'], 'cpu', non_blocking=False),
+                 'rng': saveable_rng(record['rng']), 'loss': float(record['loss']), 'bad_params': bad,
+                 'weights_finite': _all_finite(t for t in model.values() if t.is_floating_point())}, self.path)
+    self.captured = self.path
+    print(f"NaNCapture: non-finite gradients in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} at epoch "
+          f"{record['epoch']}, batch {record['iter']}{note}; the step is saved to {self.path!r} and the fit stopped")
+
+# %% ../../nbs/12_nan_capture.ipynb #u05
 def _all_finite(tensors): return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 @dataclass(slots=True)
@@ -121,165 +148,54 @@ def capture_file_name():
     distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
     return f"nan-capture-rank{torch.distributed.get_rank()}.pt" if distributed else 'nan-capture.pt'
 
-class NaNCapture(Callback):
-    "Before each optimizer step check the gradients; on a NaN or infinity save the step to `path` and stop the fit."
-    order, run_valid = 20, False
-    def __init__(self,
-                 path,  # file to write the captured step to, or a folder (the file is then `nan-capture[-rank<r>].pt` in it)
-                 check_every=1,  # check every this many training steps (see the trade-off above)
-                 rngs='auto',  # which random states to keep at every step: 'auto' or 'every_step' (see above)
-                 sync_free=None,  # read each check's answer later instead of waiting for it; None: on a GPU with check_every > 1
-                ):
-        check_count('check_every', check_every)
-        if rngs not in ('auto', 'every_step'): raise ValueError(f"rngs must be 'auto' or 'every_step', got {rngs!r}")
-        if sync_free is not None and not isinstance(sync_free, bool):
-            raise ValueError(f"sync_free must be None, True or False, got {sync_free!r}")
-        self._target = path  # a file, or a folder whose file is named when each fit begins
-        self.path = self._capture_path()
-        self.check_every, self.rngs, self.sync_free = check_every, rngs, sync_free
-        self.name, self.captured, self._readers, self._pending = 'nan_capture', None, rng_readers(), None
+@patch
+def _capture_path(self:NaNCapture):
+    "The file to write, checked: with the rank of the process as it is now when torch.distributed runs."
+    path = check_save_path(self._target, capture_file_name(), 'NaNCapture path')
+    if path.name != capture_file_name() and torch.distributed.is_available() and torch.distributed.is_initialized():
+        path = path.with_name(f"{path.stem}-rank{torch.distributed.get_rank()}{path.suffix}")
+    return os.fspath(path)
 
-    @property
-    def step_rngs(self):
-        "The generators whose states are read at the start of every checked step (all of them until the first has run)."
-        return list(self._readers)
+# %% ../../nbs/12_nan_capture.ipynb #u07
+@patch
+def before_fit(self:NaNCapture):
+    # Checked again before the first step: the folder may have changed since, or torch.distributed started
+    self.path = self._capture_path()
+    self._named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+    self._params = [p for _, p in self._named]
+    devices = {p.device for p in self._params}
+    device = devices.pop() if len(devices) == 1 else None
+    deferred = self.sync_free if self.sync_free is not None else (
+        self.check_every > 1 and getattr(device, 'type', '') == 'cuda' and not several_processes())
+    if deferred and device is None:
+        raise ValueError("NaNCapture(sync_free=True) needs every trained parameter on one device; "
+                         "use sync_free=False for this model")
+    self._check = FiniteCheck(device) if device is not None else _all_finite
+    self._async_check = AsyncFiniteCheck(device) if deferred else None
+    self._kept, self._pending, self._undo_due = KeptStep(), None, False
+    self._stat_layers = running_stat_layers(self.model)
+    self._readers = rng_readers()  # the generators read at the start of every checked step
+    self._probe = self.rngs == 'auto'  # the first checked step shows which generators the steps draw from
+    self.captured = None
 
-    def _capture_path(self):
-        "The file to write, checked: with the rank of the process as it is now when torch.distributed runs."
-        path = check_save_path(self._target, capture_file_name(), 'NaNCapture path')
-        if path.name != capture_file_name() and torch.distributed.is_available() and torch.distributed.is_initialized():
-            path = path.with_name(f"{path.stem}-rank{torch.distributed.get_rank()}{path.suffix}")
-        return os.fspath(path)
+@patch
+def _end_probe(self:NaNCapture):
+    "After the first checked step, go on reading at every step only the generators that this step drew from."
+    self._probe = False
+    self._readers = {name: read for name, read in self._readers.items() if not same_state(self._kept.rng[name], read())}
 
-    def check_fit(self):
-        # several processes must stop at one step, which a deferred answer (read when this GPU has it) cannot promise
-        if self.sync_free and several_processes():
-            raise ValueError("NaNCapture(sync_free=True) reads each check's answer when its GPU has it, at a step that "
-                             "differs between processes, which must all stop at the same one: with several processes "
-                             "use sync_free=None (the default) or False")
+@patch
+def _running_stats(self:NaNCapture, copy=False):
+    "The running statistics of the model's BatchNorm layers by state-dict name (`copy`: cloned)."
+    return {prefix + name: b.clone() if copy else b for prefix, m in self._stat_layers
+            for name, b in m.named_buffers(recurse=False)}
 
-    def before_fit(self):
-        # Checked again before the first step: the folder may have changed since, or torch.distributed started
-        self.path = self._capture_path()
-        self._named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self._params = [p for _, p in self._named]
-        devices = {p.device for p in self._params}
-        device = devices.pop() if len(devices) == 1 else None
-        deferred = self.sync_free if self.sync_free is not None else (
-            self.check_every > 1 and getattr(device, 'type', '') == 'cuda' and not several_processes())
-        if deferred and device is None:
-            raise ValueError("NaNCapture(sync_free=True) needs every trained parameter on one device; "
-                             "use sync_free=False for this model")
-        self._check = FiniteCheck(device) if device is not None else _all_finite
-        self._async_check = AsyncFiniteCheck(device) if deferred else None
-        self._kept, self._pending, self._undo_due = KeptStep(), None, False
-        self._stat_layers = running_stat_layers(self.model)
-        self._readers = rng_readers()  # the generators read at the start of every checked step
-        self._probe = self.rngs == 'auto'  # the first checked step shows which generators the steps draw from
-        self.captured = None
-
-    # the two handlers below run at every training step: they read the learner directly and write into `_kept`,
-    # since falling through `self.<name>` to the learner and the warning check of callback attributes cost time here
-    def before_batch(self):
-        learn = self.learn
-        if self._pending is not None and self._pending.ready(): self._resolve()
-        if learn.train_iter % self.check_every: return
-        kept = self._kept
-        kept.batch, kept.rng = (learn.xb, learn.yb), {name: read() for name, read in self._readers.items()}
-        if self._stat_layers: kept.running_stats = self._running_stats(copy=True)
-
-    def before_step(self):
-        if self.learn.train_iter % self.check_every: return
-        if self._probe: self._end_probe()
-        grads = [g for p in self._params if (g := p.grad) is not None]
-        if not grads: return
-        if self._async_check is None:
-            finite = self._check(grads)
-            processes = self.learn.processes  # several train together: did any of them find a non-finite gradient?
-            if processes.several: finite = not processes.any(not finite)
-            if not finite: self._capture(nonfinite_grads(self._named))
-            return
-        if self._pending is not None: return  # the previous answer is still on its way: no second copy, no waiting
-        names = [n for n, p in self._named if p.grad is not None]
-        live = (self.model.state_dict(), self.opt.state_dict())
-        self._pending = PendingCheck(grads, names, self._step_record(copy=True, states=live), live, self._async_check)
-        self._undo_due = True
-
-    def after_step(self):
-        if self._undo_due:  # the step just taken was checked without waiting: undo it on the device if it was bad
-            self._undo_due = False
-            self._pending.undo_if_bad()
-
-    def _end_probe(self):
-        "After the first checked step, go on reading at every step only the generators that this step drew from."
-        self._probe = False
-        self._readers = {name: read for name, read in self._readers.items() if not same_state(self._kept.rng[name], read())}
-
-    def _step_record(self, copy=False, states=None):
-        "What the file keeps of the current step, read before its optimizer step (`copy`: copied, for a step that goes on)."
-        kept = self._kept.rng
-        rng = {name: kept[name] if name in kept else read() for name, read in rng_readers().items()}
-        model, opt = states or (self.model.state_dict(), self.opt.state_dict())
-        if copy: model, opt = cloned(model), cloned(opt)
-        model = {**model, **(self._kept.running_stats or {})}  # the weights and statistics from before the bad batch
-        return {'model': model, 'opt': opt, 'batch': self._kept.batch, 'rng': rng,
-                'rng_read_at': {name: 'start' if name in kept else 'end' for name in rng},
-                'epoch': self.epoch, 'iter': self.iter, 'train_iter': self.train_iter, 'loss': self.loss}
-
-    def _save(self, record, bad, note=''):
-        model = record['model']
-        atomic_save({**record, 'format': 'teachloop-nan-capture', 'batch': to_device(record['batch'], 'cpu', non_blocking=False),
-                     'rng': saveable_rng(record['rng']), 'loss': float(record['loss']), 'bad_params': bad,
-                     'weights_finite': _all_finite(t for t in model.values() if t.is_floating_point())}, self.path)
-        self.captured = self.path
-        print(f"NaNCapture: non-finite gradients in {', '.join(bad[:4])}{' ...' if len(bad) > 4 else ''} at epoch "
-              f"{record['epoch']}, batch {record['iter']}{note}; the step is saved to {self.path!r} and the fit stopped")
-
-    def _running_stats(self, copy=False):
-        "The running statistics of the model's BatchNorm layers by state-dict name (`copy`: cloned)."
-        return {prefix + name: b.clone() if copy else b for prefix, m in self._stat_layers
-                for name, b in m.named_buffers(recurse=False)}
-
-    @torch.no_grad()
-    def _put_back_running_stats(self):
-        "The running statistics as they were at the start of the batch, before its forward added its NaN to them."
-        kept = self._kept.running_stats or {}
-        for name, live in self._running_stats().items(): live.copy_(kept[name])
-
-    def _capture(self, bad):
-        self._put_back_running_stats()
-        self._save(self._step_record(), bad)
-        self.opt.zero_grad()
-        raise CancelFitException()
-
-    def _resolve(self):
-        "Read the pending check's answer; if its step had non-finite gradients, go back to before that step and stop."
-        pending = self._pending
-        finite = pending.finite()
-        self._pending = None
-        if not finite: self._capture_pending(pending)
-
-    def _capture_pending(self, pending):
-        "Go back to before the checked step that was bad, save it and stop (the one place a sync-free check waits)."
-        self.model.load_state_dict(pending.record['model'])
-        self.opt.load_state_dict(pending.record['opt'])
-        self._save(pending.record, pending.nonfinite(), note=f" (seen at step {self.train_iter}; the learner is back "
-                   "at the weights before the bad step)")
-        raise CancelFitException()
-
-    # a pending check is settled before validation (which should not run on broken weights) and at the end of the fit
-    def before_validate(self):
-        if self._pending is not None: self._resolve()
-
-    def after_epoch(self):
-        if self._pending is not None: self._resolve()
-
-    def after_fit(self):
-        if self._pending is None: return
-        try: self._resolve()
-        except CancelFitException: pass  # the fit is ending anyway
-
-    cleanup_fit = after_fit  # a fit ended by an error or Ctrl-C: settle before a Checkpoint (order 70) saves the weights
+@patch
+@torch.no_grad()
+def _put_back_running_stats(self:NaNCapture):
+    "The running statistics as they were at the start of the batch, before its forward added its NaN to them."
+    kept = self._kept.running_stats or {}
+    for name, live in self._running_stats().items(): live.copy_(kept[name])
 
 # %% ../../nbs/12_nan_capture.ipynb #c029
 @dataclass
@@ -316,6 +232,13 @@ def load_capture(path):
 
 
 # %% ../../nbs/12_nan_capture.ipynb #c032
+def tensors_in(value):
+    "The tensors in `value` and in the dicts, lists and tuples it holds, in order."
+    if isinstance(value, torch.Tensor): return [value]
+    if isinstance(value, dict): value = value.values()
+    if isinstance(value, (list, tuple, type({}.values()))): return [t for v in value for t in tensors_in(v)]
+    return []
+
 def _finite(value): return all(bool(torch.isfinite(t).all()) for t in tensors_in(value) if t.is_floating_point())
 
 def watch_forward(model, found):
@@ -364,6 +287,7 @@ def _replay_step(learn, xb, yb):
         for h in handles: h.remove()
     return loss.detach(), forward_bad[:1], backward_bad[:1]
 
+# %% ../../nbs/12_nan_capture.ipynb #u09
 def replay_nan(learn, path):
     "Restore a step captured by `NaNCapture` into `learn`, run it again without stepping, and report what happened."
     capture = load_capture(path)
@@ -393,3 +317,108 @@ def replay_nan(learn, path):
                      first_backward=node.name() if node is not None else None, source=_source_line(node) if node else None,
                      epoch=capture['epoch'], iter=capture['iter'], rng_exact=not read_late and not not_restored,
                      notes=notes)
+
+# %% ../../nbs/12_nan_capture.ipynb #c015
+def cloned(value):
+    "A copy of `value` (tensors, and the dicts, lists and tuples that hold them) that later in-place changes cannot reach."
+    if isinstance(value, torch.Tensor): return value.clone()
+    if isinstance(value, dict): return {k: cloned(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)): return type(value)(cloned(v) for v in value)
+    return value
+
+class AsyncFiniteCheck(FiniteCheck):
+    "A finiteness check of gradients whose answer is copied to the host without waiting; `ready` and `finite` read it."
+    def __init__(self, device):
+        super().__init__(device)
+        self.cuda = self.found.is_cuda
+        self.host = torch.zeros(1, pin_memory=True) if self.cuda else self.found
+        self.event = torch.cuda.Event() if self.cuda else None
+
+    def start(self, grads):
+        "Queue the check of `grads` and the copy of its answer to the host; returns at once."
+        self.found.zero_()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found, self.one)
+        if self.cuda:
+            self.host.copy_(self.found, non_blocking=True)
+            self.event.record(torch.cuda.current_stream(self.found.device))  # the stream the copy was queued on
+
+    def ready(self): return not self.cuda or self.event.query()
+
+    def finite(self):
+        "Whether the checked gradients were all finite; waits only if the answer has not reached the host yet."
+        if self.cuda and not self.event.query(): self.event.synchronize()
+        return not self.host.item()
+
+# %% ../../nbs/12_nan_capture.ipynb #u14
+class PendingCheck:
+    "A checked step whose answer is on its way: the copies needed to go back to before the step, and the check itself."
+    def __init__(self, grads, names, record, live, check):
+        self.names, self.record, self.check = names, record, check
+        self.grads = torch._foreach_mul(grads, 1.)  # copies: the optimizer step frees or changes the gradients
+        self.pairs = list(zip(tensors_in(live), tensors_in((record['model'], record['opt']))))
+        check.start(self.grads)
+
+    @torch.no_grad()
+    def undo_if_bad(self):
+        "On the device, without waiting: if the check found a non-finite gradient, put back the weights and optimizer state."
+        bad = self.check.found.bool().reshape(())  # 0-d, so that it broadcasts to 0-d state too (BatchNorm's counter)
+        for live, saved in self.pairs: live.copy_(torch.where(bad, saved, live))
+
+    def ready(self): return self.check.ready()
+    def finite(self): return self.check.finite()
+    def nonfinite(self):
+        "Names of the parameters whose copied gradient holds a NaN or an infinity."
+        return [n for n, g in zip(self.names, self.grads) if not bool(torch.isfinite(g).all())]
+
+# %% ../../nbs/12_nan_capture.ipynb #u16
+@patch
+def after_step(self:NaNCapture):
+    if self._undo_due:  # the step just taken was checked without waiting: undo it on the device if it was bad
+        self._undo_due = False
+        self._pending.undo_if_bad()
+
+@patch
+def _resolve(self:NaNCapture):
+    "Read the pending check's answer; if its step had non-finite gradients, go back to before that step and stop."
+    pending = self._pending
+    finite = pending.finite()
+    self._pending = None
+    if not finite: self._capture_pending(pending)
+
+@patch
+def _capture_pending(self:NaNCapture, pending):
+    "Go back to before the checked step that was bad, save it and stop (the one place a sync-free check waits)."
+    self.model.load_state_dict(pending.record['model'])
+    self.opt.load_state_dict(pending.record['opt'])
+    self._save(pending.record, pending.nonfinite(), note=f" (seen at step {self.train_iter}; the learner is back "
+               "at the weights before the bad step)")
+    raise CancelFitException()
+
+# a pending check is settled before validation (which should not run on broken weights) and at the end of the fit
+@patch
+def before_validate(self:NaNCapture):
+    if self._pending is not None: self._resolve()
+
+@patch
+def after_epoch(self:NaNCapture):
+    if self._pending is not None: self._resolve()
+
+@patch
+def after_fit(self:NaNCapture):
+    if self._pending is None: return
+    try: self._resolve()
+    except CancelFitException: pass  # the fit is ending anyway
+
+@patch
+def cleanup_fit(self:NaNCapture):
+    "A fit ended by an error or Ctrl-C: settle before a Checkpoint (order 70) saves the weights."
+    self.after_fit()
+
+# %% ../../nbs/12_nan_capture.ipynb #u18
+@patch
+def check_fit(self:NaNCapture):
+    # several processes must stop at one step, which a deferred answer (read when this GPU has it) cannot promise
+    if self.sync_free and several_processes():
+        raise ValueError("NaNCapture(sync_free=True) reads each check's answer when its GPU has it, at a step that "
+                         "differs between processes, which must all stop at the same one: with several processes "
+                         "use sync_free=None (the default) or False")

@@ -28,7 +28,7 @@ from ..random_state import loader_generators, rng_states, set_rng_states
 # %% auto #0
 __all__ = ['SUGGEST_FUNCS', 'annealing_no', 'annealing_linear', 'annealing_cos', 'annealing_exp', 'annealing_poly',
            'schedule_pct', 'Stepper', 'combine_scheds', 'combined_cos', 'preview_values', 'plot_schedules',
-           'check_scheds_fit', 'ParamScheduler', 'one_cycle_scheds', 'sgdr_epochs', 'LRFinder', 'minimum', 'steep',
+           'ParamScheduler', 'one_cycle_scheds', 'sgdr_epochs', 'check_scheds_fit', 'LRFinder', 'minimum', 'steep',
            'longest_descent', 'valley', 'slide', 'suggest_lrs', 'plot_lr_find', 'state_restored']
 
 # %% ../../nbs/06_schedule.ipynb #c004
@@ -119,20 +119,6 @@ def plot_schedules(scheds, n_steps, axs=None):
     return axs
 
 # %% ../../nbs/06_schedule.ipynb #c020
-def check_scheds_fit(opt, scheds):
-    "Raise `ValueError` unless every name in `scheds` is a hyper-parameter that `opt` reads, one schedule per group if a list."
-    names, n_groups, read = set(opt.hypers[0]), len(opt.hypers), hypers_read(opt)
-    for name, sched in scheds.items():
-        if name not in names:
-            raise ValueError(f"ParamScheduler: the optimizer has no hyper-parameter {name!r}; it has {sorted(names)}")
-        if name not in read:
-            raise ValueError(f"ParamScheduler: no callback of the optimizer reads {name!r} (it reads {sorted(read)}), "
-                             "so scheduling it would change nothing; drop that schedule, or use an optimizer that "
-                             f"uses {name!r} (e.g. SGD with mom > 0 for 'mom')")
-        if isinstance(sched, (list, tuple)) and len(sched) != n_groups:
-            raise ValueError(f"ParamScheduler: {len(sched)} schedules for {name!r} but the optimizer has {n_groups} "
-                             "parameter groups; give one schedule, or one per group")
-
 class ParamScheduler(Callback):
     "Set optimizer hyper-parameters from their schedules before each training batch, recording them in `hps`."
     run_valid = False
@@ -143,12 +129,6 @@ class ParamScheduler(Callback):
         _check_scheds(scheds)
         self.scheds, self.fit_call = dict(scheds), fit_call
         self.hps = {name: [] for name in self.scheds}
-
-    def check_fit(self):
-        "Refuse a fit these schedules cannot drive, before the learner changes anything (see `Learner.fit`)."
-        check_scheds_fit(self.opt, self.scheds)
-        if not hasattr(self.dls.train, '__len__'):
-            raise TypeError("ParamScheduler needs to know the number of training batches: the training loader has no len()")
 
     def before_fit(self): self.hps = {name: [] for name in self.scheds}
 
@@ -176,49 +156,7 @@ def one_cycle_scheds(lr_max, div=25., div_final=1e5, pct_start=0.25, moms=(0.95,
     if moms is not None: scheds['mom'] = combined_cos(pct_start, *moms)
     return scheds
 
-def _check_share(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < 1:
-        raise ValueError(f"{name} must be a number strictly between 0 and 1 (a share of training), got {value!r}")
-
-def _check_divisor(name, value):
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0:
-        raise ValueError(f"{name} must be a number > 0 (the learning rate is divided by it), got {value!r}")
-
-def _check_moms(moms):
-    if not isinstance(moms, (list, tuple)) or len(moms) != 3:
-        raise ValueError(f"moms must be three momentums (start, middle, end), got {moms!r}")
-    for m in moms: check_hyper('mom', m)
-
 # %% ../../nbs/06_schedule.ipynb #c027
-def _group_lrs(learn, lr):
-    "The learning rate `lr` (None: the learner's) as a number, or as a list with one value per parameter group."
-    lr = learn.lr if lr is None else lr
-    if not isinstance(lr, (slice, list, tuple)):
-        check_hyper('lr', lr)
-        return lr
-    values = spread_hyper(lr, len(learn.opt.hypers))
-    for v in values: check_hyper('lr', v)
-    return values
-
-@contextmanager
-def _opt_created(learn):
-    "Give the learner its optimizer if it has none yet; if the block raises, a new one is taken away again."
-    created = learn.opt is None
-    if created: learn.create_opt()
-    try: yield learn.opt
-    except Exception:
-        if created: learn.opt = None
-        raise
-
-def _fit_call(method, *args, **kwargs):
-    "The text of the learner's call `method(*args, **kwargs)`, arguments at their defaults left out."
-    defaults = inspect.signature(getattr(Learner, method)).parameters
-    given = [f'{name}={value!r}' for name, value in kwargs.items() if value != defaults[name].default]
-    return f"{method}({', '.join([repr(a) for a in args] + given)})"
-
-def _fit_scheduled(learn, n_epoch, scheds, wd, cbs, resume, fit_call):
-    return learn.fit(n_epoch, wd=wd, cbs=[ParamScheduler(scheds, fit_call)] + callback_list(cbs), resume=resume)
-
 @patch
 def fit_one_cycle(self:Learner,
                   n_epoch:int,  # number of epochs
@@ -268,6 +206,7 @@ def fit_flat_cos(self:Learner,
     return _fit_scheduled(self, n_epoch, {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)},
                           wd, cbs, resume, fit_call)
 
+# %% ../../nbs/06_schedule.ipynb #u28
 def sgdr_epochs(n_cycles, cycle_len, cycle_mult=2):
     "The length in epochs of each of the `n_cycles` cycles of SGDR."
     for name, value in (('n_cycles', n_cycles), ('cycle_len', cycle_len), ('cycle_mult', cycle_mult)):
@@ -295,6 +234,71 @@ def fit_sgdr(self:Learner,
     return _fit_scheduled(self, sum(epochs), {'lr': [lr_sched(v) for v in lrs] if isinstance(lrs, list) else lr_sched(lrs)},
                           wd, cbs, resume, fit_call)
 
+# %% ../../nbs/06_schedule.ipynb #u20
+def check_scheds_fit(opt, scheds):
+    "Raise `ValueError` unless every name in `scheds` is a hyper-parameter that `opt` reads, one schedule per group if a list."
+    names, n_groups, read = set(opt.hypers[0]), len(opt.hypers), hypers_read(opt)
+    for name, sched in scheds.items():
+        if name not in names:
+            raise ValueError(f"ParamScheduler: the optimizer has no hyper-parameter {name!r}; it has {sorted(names)}")
+        if name not in read:
+            raise ValueError(f"ParamScheduler: no callback of the optimizer reads {name!r} (it reads {sorted(read)}), "
+                             "so scheduling it would change nothing; drop that schedule, or use an optimizer that "
+                             f"uses {name!r} (e.g. SGD with mom > 0 for 'mom')")
+        if isinstance(sched, (list, tuple)) and len(sched) != n_groups:
+            raise ValueError(f"ParamScheduler: {len(sched)} schedules for {name!r} but the optimizer has {n_groups} "
+                             "parameter groups; give one schedule, or one per group")
+
+@patch
+def check_fit(self:ParamScheduler):
+    "Refuse a fit these schedules cannot drive, before the learner changes anything (see `Learner.fit`)."
+    check_scheds_fit(self.opt, self.scheds)
+    if not hasattr(self.dls.train, '__len__'):
+        raise TypeError("ParamScheduler needs to know the number of training batches: the training loader has no len()")
+
+# %% ../../nbs/06_schedule.ipynb #u23
+def _check_share(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0 < value < 1:
+        raise ValueError(f"{name} must be a number strictly between 0 and 1 (a share of training), got {value!r}")
+
+def _check_divisor(name, value):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or value <= 0:
+        raise ValueError(f"{name} must be a number > 0 (the learning rate is divided by it), got {value!r}")
+
+def _check_moms(moms):
+    if not isinstance(moms, (list, tuple)) or len(moms) != 3:
+        raise ValueError(f"moms must be three momentums (start, middle, end), got {moms!r}")
+    for m in moms: check_hyper('mom', m)
+
+# %% ../../nbs/06_schedule.ipynb #u25
+def _group_lrs(learn, lr):
+    "The learning rate `lr` (None: the learner's) as a number, or as a list with one value per parameter group."
+    lr = learn.lr if lr is None else lr
+    if not isinstance(lr, (slice, list, tuple)):
+        check_hyper('lr', lr)
+        return lr
+    values = spread_hyper(lr, len(learn.opt.hypers))
+    for v in values: check_hyper('lr', v)
+    return values
+
+@contextmanager
+def _opt_created(learn):
+    "Give the learner its optimizer if it has none yet; if the block raises, a new one is taken away again."
+    created = learn.opt is None
+    if created: learn.create_opt()
+    try: yield learn.opt
+    except Exception:
+        if created: learn.opt = None
+        raise
+
+def _fit_call(method, *args, **kwargs):
+    "The text of the learner's call `method(*args, **kwargs)`, arguments at their defaults left out."
+    defaults = inspect.signature(getattr(Learner, method)).parameters
+    given = [f'{name}={value!r}' for name, value in kwargs.items() if value != defaults[name].default]
+    return f"{method}({', '.join([repr(a) for a in args] + given)})"
+
+def _fit_scheduled(learn, n_epoch, scheds, wd, cbs, resume, fit_call):
+    return learn.fit(n_epoch, wd=wd, cbs=[ParamScheduler(scheds, fit_call)] + callback_list(cbs), resume=resume)
 
 # %% ../../nbs/06_schedule.ipynb #c038
 class LRFinder(Callback):
@@ -399,7 +403,7 @@ def state_restored(learn):
         for generator, state in loader_states: generator.set_state(state)
 
 # Where the last fit got to: a checkpoint written after `lr_find` must describe that fit, not the range test.
-_PROGRESS_ATTRS = ('n_epoch', 'epoch', 'iter', 'n_iter', 'train_iter', 'pct_train', 'start_epoch', 'skip_batches')
+_PROGRESS_ATTRS = ('n_epoch', 'epoch', 'iter', 'n_iter', 'train_iter', 'pct_train', 'start_epoch')
 
 @contextmanager
 def _history_kept(learn):

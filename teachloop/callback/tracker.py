@@ -39,7 +39,7 @@ class TrackerCallback(Callback):
         self.epochs_seen = 0
 
     def after_epoch(self):
-        # counted first: a checkpoint taken before this runs is one this callback has not finished (see `_behind`)
+        # counted first: a checkpoint taken before this runs is one this callback has not finished (`caught_up`)
         self.epochs_seen = self.epoch + 1
         value = self.recorder.values[-1][self._index]
         if self.mode == 'min': self.improved = value < self.best - self.min_delta
@@ -50,6 +50,7 @@ class TrackerCallback(Callback):
     def state_dict(self): return {'best': self.best, 'wait': self.wait, 'epochs_seen': self.epochs_seen}
     def load_state_dict(self, state):
         self.best, self.wait, self.epochs_seen = state['best'], state['wait'], state.get('epochs_seen', math.inf)
+    def caught_up(self, epochs_done): return self.epochs_seen >= epochs_done  # a checkpoint's `behind` (notebook 13)
 
 # %% ../../nbs/13a_trackers.ipynb #c030
 class SaveModel(TrackerCallback):
@@ -69,6 +70,7 @@ class SaveModel(TrackerCallback):
         # the weights are the same in each process: rank 0 writes them
         written_by_rank_zero(partial(self.learn.save, self.path, with_opt=False), f"the best weights to {self.path}")
 
+# %% ../../nbs/13a_trackers.ipynb #u02
 class EarlyStopping(TrackerCallback):
     "Stop the fit after `patience` epochs without improvement of `monitor`; optionally end with the best weights."
     def __init__(self, monitor, mode, patience=1, min_delta=0., restore_best=True):
@@ -96,6 +98,7 @@ class EarlyStopping(TrackerCallback):
         super().load_state_dict(state)
         self.best_weights = state['best_weights']
 
+# %% ../../nbs/13a_trackers.ipynb #u04
 class ReduceLROnPlateau(TrackerCallback):
     "Multiply the learning rates by `factor` after `patience` epochs without improvement of `monitor`."
     def __init__(self, monitor, mode, patience=1, factor=0.1, min_delta=0., min_lr=0.):

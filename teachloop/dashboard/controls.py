@@ -23,7 +23,7 @@ __all__ = ['FitControls', 'SteeringCallback', 'FitHandle', 'fit_background']
 
 # %% ../../nbs/11a_dashboard_controls.ipynb #c004
 class FitControls:
-    "Thread-safe requests to a running fit: stop, pause and resume, new hyper-parameter values."
+    "Thread-safe requests to a running fit: stop, pause and unpause, new hyper-parameter values."
     def __init__(self):
         self._stop, self._running = threading.Event(), threading.Event()
         self._running.set()
@@ -36,10 +36,10 @@ class FitControls:
         self._running.set()
 
     def pause(self):
-        "Ask the fit to wait before its next batch until `resume` or `stop`."
+        "Ask the fit to wait before its next batch until `unpause` or `stop`."
         if not self._stop.is_set(): self._running.clear()
 
-    def resume(self): self._running.set()
+    def unpause(self): self._running.set()
 
     @property
     def stop_requested(self): return self._stop.is_set()
@@ -103,7 +103,7 @@ class SteeringCallback(Callback):
         if controls.paused and self.learn.stop_agreement is not None:  # several processes: the others would wait
             warnings.warn("a pause is not applied while several processes train together: the others would wait for "
                           "this one in their next collective until it times out. Stop the fit instead")
-            controls.resume()
+            controls.unpause()
         if controls.paused: self._wait_while_paused()
         if controls.stop_requested:
             agreement = self.learn.stop_agreement
@@ -153,7 +153,7 @@ class SteeringCallback(Callback):
 
 # %% ../../nbs/11a_dashboard_controls.ipynb #c013
 class FitHandle:
-    "A fit running in a background thread: `wait()` for it, `stop()`, `pause()` or `resume()` it, check `done`."
+    "A fit running in a background thread: `wait()` for it, `stop()`, `pause()` or `unpause()` it, check `done`."
     def __init__(self, learn, controls:FitControls):
         self.learn, self.controls, self.error, self._thread = learn, controls, None, None
 
@@ -194,7 +194,7 @@ class FitHandle:
         return self
 
     def pause(self): self.controls.pause(); return self
-    def resume(self): self.controls.resume(); return self
+    def unpause(self): self.controls.unpause(); return self
 
     def __repr__(self):
         state = ('failed: ' + type(self.error).__name__ if self.error else 'done') if self.done else \

@@ -167,7 +167,9 @@ def after_validate(self:TrainingDashboard):
 def before_train(self:TrainingDashboard):
     if self._total is None:  # the batches this call runs: a resumed fit has restored its progress by now
         per_epoch = sum(len(dl) for dl in (self.dls.train, self.dls.valid) if dl is not None and hasattr(dl, '__len__'))
-        self._total = (self.n_epoch - self.learn.start_epoch) * per_epoch - self.learn.skip_batches
+        train = self.dls.train
+        done = self.train_iter - self.learn.start_epoch * len(train) if hasattr(train, '__len__') else 0  # of this epoch
+        self._total = (self.n_epoch - self.learn.start_epoch) * per_epoch - done
 
 # %% ../../nbs/11e_dashboard.ipynb #c048
 @patch

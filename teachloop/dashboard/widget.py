@@ -90,7 +90,7 @@ class DashboardWidget:
         return request
 
     def _toggle_pause(self, _):
-        if self.controls.paused: self.controls.resume()
+        if self.controls.paused: self.controls.unpause()
         else: self.controls.pause()
         self.pause_button.description = 'Resume' if self.controls.paused else 'Pause'
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections import deque
 
+from fastcore.basics import patch
 import torch
 from torch import nn
 
@@ -15,8 +16,8 @@ from ..core import check_count
 from ..learner import Callback
 
 # %% auto #0
-__all__ = ['SATURATING', 'RECTIFYING', 'HISTOGRAM_VALUES', 'saturated_share', 'dead_share', 'call_labels', 'layer_module',
-           'LayerStats', 'plot_layer_histograms']
+__all__ = ['SATURATING', 'RECTIFYING', 'HISTOGRAM_VALUES', 'saturated_share', 'dead_share', 'LayerStats', 'plot_layer_histograms',
+           'call_labels', 'layer_module']
 
 # %% ../../nbs/10b_layer_stats.ipynb #l004
 SATURATING = (nn.Tanh, nn.Sigmoid, nn.Hardtanh)
@@ -53,15 +54,7 @@ def _histogram(t, bins):
 def _activation_modules(model):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, SATURATING + RECTIFYING)]
 
-def call_labels(name, n_calls):
-    "The labels of a module's calls in one forward: its name, or `name#1`, `name#2`, ... when it ran several times."
-    return [name] if n_calls == 1 else [f'{name}#{i}' for i in range(1, n_calls + 1)]
-
-def layer_module(label):
-    "The name of the module a layer label of `LayerStats` refers to: `layer1.0.relu#2` -> `layer1.0.relu`."
-    name, mark, call = label.rpartition('#')
-    return name if mark and call.isdigit() else label
-
+# %% ../../nbs/10b_layer_stats.ipynb #u02
 class LayerStats(Callback):
     "Histograms and summaries of each activation layer's output and gradient, and of the weights' gradients, at ticks."
     order, run_valid, observes = 60, False, True
@@ -73,13 +66,6 @@ class LayerStats(Callback):
         check_count('every', every); check_count('bins', bins, minimum=2); check_count('max_ticks', max_ticks)
         self.every, self.names, self.bins, self.ticks = every, modules, bins, deque(maxlen=max_ticks)
         self._hooks, self._outputs = [], {}
-
-    def check_fit(self):
-        known = dict(self.model.named_modules())
-        unknown = [n for n in (self.names or []) if n not in known]
-        if unknown: raise ValueError(f"LayerStats: the model has no modules named {unknown}; it has {sorted(known)[:12]}")
-        if not self._watched(): raise ValueError("LayerStats: the model has no tanh, sigmoid or ReLU-like layers; name "
-                                                "the modules to watch with `modules=[...]`")
 
     def _watched(self):
         if self.names is None: return _activation_modules(self.model)
@@ -104,62 +90,32 @@ class LayerStats(Callback):
         self.ticks.append(self._summarise())
         self._outputs = {}
 
-    def _calls(self):
-        "`(label, module name, module, output, gradient)` of every call of the watched modules in the tick's forward."
-        for name, calls in self._outputs.items():
-            for label, (module, a, (grad,)) in zip(call_labels(name, len(calls)), calls):
-                yield label, name, module, a, grad
+# %% ../../nbs/10b_layer_stats.ipynb #u04
+@patch
+def _summarise(self:LayerStats):
+    hists, layers = [], []
+    for label, name, module, a, grad in self._calls():
+        entry = {'layer': label, 'module': name, 'saturated': saturated_share(module, a), 'dead': dead_share(module, a),
+                 'mean': a.to(_real(a)).mean(), 'std': a.to(_real(a)).std(),
+                 'grad_std': None if grad is None else grad.to(_real(grad)).std()}
+        hists.append(_histogram(a, self.bins))
+        if grad is not None: hists.append(_histogram(grad, self.bins))
+        layers.append((entry, grad is not None))
+    weights = {n: p for n, p in self.model.named_parameters() if p.dim() >= 2 and p.grad is not None}
+    grad_norms = [p.grad.to(_real(p)).norm() for p in weights.values()]
+    ratios = [p.grad.to(_real(p)).std() / p.to(_real(p)).std() for p in weights.values()]
+    return self._to_host(layers, hists, dict(zip(weights, zip(grad_norms, ratios))))
 
-    def _summarise(self):
-        hists, layers = [], []
-        for label, name, module, a, grad in self._calls():
-            entry = {'layer': label, 'module': name, 'saturated': saturated_share(module, a), 'dead': dead_share(module, a),
-                     'mean': a.to(_real(a)).mean(), 'std': a.to(_real(a)).std(),
-                     'grad_std': None if grad is None else grad.to(_real(grad)).std()}
-            hists.append(_histogram(a, self.bins))
-            if grad is not None: hists.append(_histogram(grad, self.bins))
-            layers.append((entry, grad is not None))
-        weights = {n: p for n, p in self.model.named_parameters() if p.dim() >= 2 and p.grad is not None}
-        grad_norms = [p.grad.to(_real(p)).norm() for p in weights.values()]
-        ratios = [p.grad.to(_real(p)).std() / p.to(_real(p)).std() for p in weights.values()]
-        return self._to_host(layers, hists, dict(zip(weights, zip(grad_norms, ratios))))
-
-    def _to_host(self, layers, hists, weights):
-        "One transfer for the scalars, one for the histograms' counts, one for their ranges."
-        keys = ('saturated', 'dead', 'mean', 'std', 'grad_std')
-        flat = [e[k] for e, _ in layers for k in keys if e[k] is not None] + [v for pair in weights.values() for v in pair]
-        values = iter(torch.stack(flat).tolist()) if flat else iter(())
-        for entry, _ in layers:
-            for k in keys:
-                if entry[k] is not None: entry[k] = next(values)
-        weight_stats = {n: {'grad_norm': next(values), 'grad_to_data': next(values)} for n in weights}
-        counts, ranges = (torch.stack(part).cpu() for part in zip(*hists)) if hists else ((), ())
-        it = iter(zip(counts, ranges))
-        for entry, has_grad in layers:
-            entry['hist'] = next(it)
-            entry['grad_hist'] = next(it) if has_grad else None
-        return {'step': self.train_iter, 'layers': [e for e, _ in layers], 'weights': weight_stats}
-
-    def _remove_hooks(self):
-        for h in self._hooks: h.remove()
-        self._hooks = []
-
-    def after_cancel_batch(self): self._remove_hooks(); self._outputs = {}
-    # the ticks are kept in a checkpoint: a resumed fit goes on with those taken before the interruption
-    def state_dict(self): return {'ticks': list(self.ticks)}
-    def load_state_dict(self, state): self.ticks = deque(state['ticks'], maxlen=self.ticks.maxlen)
-    def after_fit(self): self._remove_hooks()
-    def cleanup_fit(self): self._remove_hooks()
-
-    def history(self, key):
-        "`{layer label: [(step, value), ...]}` of one summary (`saturated`, `dead`, `std`, `grad_std`, ...) over the ticks."
-        out = {}
-        for tick in self.ticks:
-            for entry in tick['layers']:
-                if entry.get(key) is not None: out.setdefault(entry['layer'], []).append((tick['step'], entry[key]))
-            for name, stats in tick['weights'].items():
-                if key in stats: out.setdefault(name, []).append((tick['step'], stats[key]))
-        return out
+@patch
+def history(self:LayerStats, key):
+    "`{layer label: [(step, value), ...]}` of one summary (`saturated`, `dead`, `std`, `grad_std`, ...) over the ticks."
+    out = {}
+    for tick in self.ticks:
+        for entry in tick['layers']:
+            if entry.get(key) is not None: out.setdefault(entry['layer'], []).append((tick['step'], entry[key]))
+        for name, stats in tick['weights'].items():
+            if key in stats: out.setdefault(name, []).append((tick['step'], stats[key]))
+    return out
 
 # %% ../../nbs/10b_layer_stats.ipynb #l009
 def plot_layer_histograms(stats,  # a `LayerStats` after a fit
@@ -180,3 +136,62 @@ def plot_layer_histograms(stats,  # a `LayerStats` after a fit
         ax.plot(centres, counts / counts.sum(), label=label)
     ax.set_xlabel('gradient' if gradient else 'activation'); ax.legend(fontsize=7)
     return ax
+
+# %% ../../nbs/10b_layer_stats.ipynb #h02
+def call_labels(name, n_calls):
+    "The labels of a module's calls in one forward: its name, or `name#1`, `name#2`, ... when it ran several times."
+    return [name] if n_calls == 1 else [f'{name}#{i}' for i in range(1, n_calls + 1)]
+
+def layer_module(label):
+    "The name of the module a layer label of `LayerStats` refers to: `layer1.0.relu#2` -> `layer1.0.relu`."
+    name, mark, call = label.rpartition('#')
+    return name if mark and call.isdigit() else label
+
+@patch
+def _calls(self:LayerStats):
+    "`(label, module name, module, output, gradient)` of every call of the watched modules in the tick's forward."
+    for name, calls in self._outputs.items():
+        for label, (module, a, (grad,)) in zip(call_labels(name, len(calls)), calls):
+            yield label, name, module, a, grad
+
+@patch
+def _to_host(self:LayerStats, layers, hists, weights):
+    "One transfer for the scalars, one for the histograms' counts, one for their ranges."
+    keys = ('saturated', 'dead', 'mean', 'std', 'grad_std')
+    flat = [e[k] for e, _ in layers for k in keys if e[k] is not None] + [v for pair in weights.values() for v in pair]
+    values = iter(torch.stack(flat).tolist()) if flat else iter(())
+    for entry, _ in layers:
+        for k in keys:
+            if entry[k] is not None: entry[k] = next(values)
+    weight_stats = {n: {'grad_norm': next(values), 'grad_to_data': next(values)} for n in weights}
+    counts, ranges = (torch.stack(part).cpu() for part in zip(*hists)) if hists else ((), ())
+    it = iter(zip(counts, ranges))
+    for entry, has_grad in layers:
+        entry['hist'] = next(it)
+        entry['grad_hist'] = next(it) if has_grad else None
+    return {'step': self.train_iter, 'layers': [e for e, _ in layers], 'weights': weight_stats}
+
+@patch
+def check_fit(self:LayerStats):
+    known = dict(self.model.named_modules())
+    unknown = [n for n in (self.names or []) if n not in known]
+    if unknown: raise ValueError(f"LayerStats: the model has no modules named {unknown}; it has {sorted(known)[:12]}")
+    if not self._watched(): raise ValueError("LayerStats: the model has no tanh, sigmoid or ReLU-like layers; name "
+                                            "the modules to watch with `modules=[...]`")
+
+@patch
+def _remove_hooks(self:LayerStats):
+    for h in self._hooks: h.remove()
+    self._hooks = []
+
+@patch
+def after_cancel_batch(self:LayerStats): self._remove_hooks(); self._outputs = {}
+# the ticks are kept in a checkpoint: a resumed fit goes on with those taken before the interruption
+@patch
+def state_dict(self:LayerStats): return {'ticks': list(self.ticks)}
+@patch
+def load_state_dict(self:LayerStats, state): self.ticks = deque(state['ticks'], maxlen=self.ticks.maxlen)
+@patch
+def after_fit(self:LayerStats): self._remove_hooks()
+@patch
+def cleanup_fit(self:LayerStats): self._remove_hooks()

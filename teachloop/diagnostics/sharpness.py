@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from functools import partial
 
+from fastcore.basics import patch
 import torch
 
 from ..core import check_count, to_device
@@ -54,18 +55,6 @@ def top_eigenvalue(hvp,  # `v -> H v` on lists of tensors, from `hessian_vector_
     return eigenvalue.item(), v
 
 # %% ../../nbs/10a_sharpness.ipynb #s014
-def _adaptive(opt):
-    "Whether `opt` divides its steps by a running average of squared gradients (Adam, RMSProp, ...)."
-    inner = getattr(opt, 'opt', opt)  # an `OptimWrapper` holds a torch optimizer
-    if hasattr(inner, 'cbs'): return any(callback_function(cb) is average_sqr_grad for cb in inner.cbs)
-    return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop))
-
-def _momentum_of(opt):
-    "The momentum `(mom, dampened)` of a teachloop optimizer's first group, `(0., False)` without one."
-    mom = opt.hypers[0].get('mom', 0.) if hasattr(opt, 'hypers') else 0.
-    dampened = any(isinstance(cb, partial) and cb.keywords.get('dampening') for cb in getattr(opt, 'cbs', []))
-    return mom, dampened
-
 class Sharpness(Callback):
     "Estimate the top Hessian eigenvalue of the loss on a fixed batch every `every` steps, and its stability line."
     order, run_valid, observes = 60, False, True
@@ -78,14 +67,6 @@ class Sharpness(Callback):
         check_count('every', every); check_count('n_iter', n_iter); check_count('max_points', max_points, minimum=2)
         self.every, self.n_iter, self.preconditioned, self.batch = every, n_iter, preconditioned, batch
         self.max_points = max_points
-
-    def check_fit(self):
-        lrs = {group['lr'] for group in self.opt.param_groups}
-        if len(lrs) > 1:
-            raise ValueError(f"Sharpness draws one stability line, but the parameter groups have learning rates "
-                             f"{sorted(lrs)}; give them one learning rate")
-        self._preconditioned = _adaptive(self.opt) if self.preconditioned is None else self.preconditioned
-        if self._preconditioned: effective_lrs(self.opt)  # raises now for an optimizer without effective lrs
 
     def before_fit(self):
         self.steps, self.sharpness, self.thresholds, self._vector, self._batch = [], [], [], None, None
@@ -106,40 +87,68 @@ class Sharpness(Callback):
         if len(self.steps) > self.max_points:  # bounded memory on any fit: every other estimate kept
             self.steps, self.sharpness, self.thresholds = self.steps[::2], self.sharpness[::2], self.thresholds[::2]
 
-    def estimate(self, lr):
-        "The (preconditioned) sharpness now, on the fixed batch."
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        buffers = [b.clone() for b in self.model.buffers()]
-        with torch.random.fork_rng(devices=[p.device for p in params if p.is_cuda][:1]), torch.enable_grad():
-            xb, yb = to_device(self._batch, params[0].device)  # a resumed fit reads it from its checkpoint, on the CPU
-            hvp = hessian_vector_product(self.loss_func(self.model(*xb), *yb), params)
-            scale = self._scale(params, lr) if self._preconditioned else None
-            start = to_device(self._vector, params[0].device) if self._vector else [torch.randn_like(p) for p in params]
-            value, self._vector = top_eigenvalue(hvp, start, self.n_iter, scale)
-        for b, saved in zip(self.model.buffers(), buffers): b.copy_(saved)
-        return value
+# %% ../../nbs/10a_sharpness.ipynb #u02
+@patch
+def estimate(self:Sharpness, lr):
+    "The (preconditioned) sharpness now, on the fixed batch."
+    params = [p for p in self.model.parameters() if p.requires_grad]
+    buffers = [b.clone() for b in self.model.buffers()]
+    with torch.random.fork_rng(devices=[p.device for p in params if p.is_cuda][:1]), torch.enable_grad():
+        xb, yb = to_device(self._batch, params[0].device)  # a resumed fit reads it from its checkpoint, on the CPU
+        hvp = hessian_vector_product(self.loss_func(self.model(*xb), *yb), params)
+        scale = self._scale(params, lr) if self._preconditioned else None
+        start = to_device(self._vector, params[0].device) if self._vector else [torch.randn_like(p) for p in params]
+        value, self._vector = top_eigenvalue(hvp, start, self.n_iter, scale)
+    for b, saved in zip(self.model.buffers(), buffers): b.copy_(saved)
+    return value
 
-    def state_dict(self):
-        "The estimates so far, the batch they are taken on and the last eigenvector: a resumed fit goes on with them."
-        return {'steps': self.steps, 'sharpness': self.sharpness, 'thresholds': self.thresholds,
-                'batch': self._batch, 'vector': self._vector}
+@patch
+def _scale(self:Sharpness, params, lr):
+    by_id = {id(p): name for name, p in self.model.named_parameters()}
+    elrs = effective_lrs(self.opt, self.model)
+    # a parameter the optimizer has not moved yet (no state: it had no gradient) has no effective lr: it is not moved,
+    # so it takes no part in the preconditioned step
+    return [(elrs[by_id[id(p)]] / lr).sqrt() if by_id[id(p)] in elrs else torch.zeros_like(p) for p in params]
 
-    def load_state_dict(self, state):
-        self.steps, self.sharpness, self.thresholds = list(state['steps']), list(state['sharpness']), list(state['thresholds'])
-        self._batch, self._vector = state['batch'], state['vector']
+@patch
+def plot(self:Sharpness, ax=None, label=None):
+    "Sharpness and its stability line against the training step."
+    import matplotlib.pyplot as plt
+    ax = ax or plt.subplots(figsize=(6, 3.5))[1]
+    line, = ax.plot(self.steps, self.sharpness, label=label or 'sharpness')
+    ax.plot(self.steps, self.thresholds, '--', color=line.get_color(), alpha=0.7)
+    ax.set_xlabel('training step'); ax.set_ylabel('top eigenvalue')
+    return ax
 
-    def _scale(self, params, lr):
-        by_id = {id(p): name for name, p in self.model.named_parameters()}
-        elrs = effective_lrs(self.opt, self.model)
-        # a parameter the optimizer has not moved yet (no state: it had no gradient) has no effective lr: it is not moved,
-        # so it takes no part in the preconditioned step
-        return [(elrs[by_id[id(p)]] / lr).sqrt() if by_id[id(p)] in elrs else torch.zeros_like(p) for p in params]
+# %% ../../nbs/10a_sharpness.ipynb #h02
+def _adaptive(opt):
+    "Whether `opt` divides its steps by a running average of squared gradients (Adam, RMSProp, ...)."
+    inner = getattr(opt, 'opt', opt)  # an `OptimWrapper` holds a torch optimizer
+    if hasattr(inner, 'cbs'): return any(callback_function(cb) is average_sqr_grad for cb in inner.cbs)
+    return isinstance(inner, (torch.optim.Adam, torch.optim.AdamW, torch.optim.RMSprop))
 
-    def plot(self, ax=None, label=None):
-        "Sharpness and its stability line against the training step."
-        import matplotlib.pyplot as plt
-        ax = ax or plt.subplots(figsize=(6, 3.5))[1]
-        line, = ax.plot(self.steps, self.sharpness, label=label or 'sharpness')
-        ax.plot(self.steps, self.thresholds, '--', color=line.get_color(), alpha=0.7)
-        ax.set_xlabel('training step'); ax.set_ylabel('top eigenvalue')
-        return ax
+def _momentum_of(opt):
+    "The momentum `(mom, dampened)` of a teachloop optimizer's first group, `(0., False)` without one."
+    mom = opt.hypers[0].get('mom', 0.) if hasattr(opt, 'hypers') else 0.
+    dampened = any(isinstance(cb, partial) and cb.keywords.get('dampening') for cb in getattr(opt, 'cbs', []))
+    return mom, dampened
+
+@patch
+def check_fit(self:Sharpness):
+    lrs = {group['lr'] for group in self.opt.param_groups}
+    if len(lrs) > 1:
+        raise ValueError(f"Sharpness draws one stability line, but the parameter groups have learning rates "
+                         f"{sorted(lrs)}; give them one learning rate")
+    self._preconditioned = _adaptive(self.opt) if self.preconditioned is None else self.preconditioned
+    if self._preconditioned: effective_lrs(self.opt)  # raises now for an optimizer without effective lrs
+
+@patch
+def state_dict(self:Sharpness):
+    "The estimates so far, the batch they are taken on and the last eigenvector: a resumed fit goes on with them."
+    return {'steps': self.steps, 'sharpness': self.sharpness, 'thresholds': self.thresholds,
+            'batch': self._batch, 'vector': self._vector}
+
+@patch
+def load_state_dict(self:Sharpness, state):
+    self.steps, self.sharpness, self.thresholds = list(state['steps']), list(state['sharpness']), list(state['thresholds'])
+    self._batch, self._vector = state['batch'], state['vector']

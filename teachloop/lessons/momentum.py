@@ -21,13 +21,12 @@ from matplotlib.figure import Figure
 from ..data import noisy_parabola
 from ..figures import FigureWidget, figure_png, float_slider
 from ..optim.core import SGD, Adam, RMSProp
-from ..optim.more import Nesterov
 
 # %% auto #0
 __all__ = ['SURFACES', 'DECAY_CURVATURES', 'check_beta', 'ewma', 'plot_ewma', 'debiased_ewma', 'effective_window', 'ewma_weights',
-           'EWMAWidget', 'Surface', 'quadratic_surface', 'rosenbrock_surface', 'saddle_surface', 'optimizer_set',
-           'trajectory', 'plot_surface', 'plot_paths', 'heavy_ball_roots', 'heavy_ball_rate', 'convergence_rate',
-           'critical_beta', 'stable_lr', 'optimal_momentum', 'lr_range', 'rate_map', 'plot_rate_map',
+           'EWMAWidget', 'Surface', 'quadratic_surface', 'rosenbrock_surface', 'saddle_surface', 'trajectory',
+           'plot_surface', 'plot_paths', 'heavy_ball_roots', 'heavy_ball_rate', 'convergence_rate', 'critical_beta',
+           'stable_lr', 'optimal_momentum', 'lr_range', 'rate_map', 'plot_rate_map', 'optimizer_set',
            'TrajectoryWidget', 'direction_errors', 'DirectionDecayWidget', 'record_gradient', 'GradientStreamWidget']
 
 # %% ../../nbs/02_momentum.ipynb #c005
@@ -192,14 +191,6 @@ def saddle_surface(start=(-3., 0.005)):
 SURFACES = {surface.name: surface for surface in (quadratic_surface(), rosenbrock_surface(), saddle_surface())}
 
 # %% ../../nbs/02_momentum.ipynb #c038
-def optimizer_set(lr, lr_adaptive, beta, beta2, eps):
-    "The five optimizers compared on the surfaces, by name, as functions of the parameters."
-    return {'SGD': partial(SGD, lr=lr),
-            'momentum': partial(SGD, lr=lr, mom=beta),
-            'Nesterov': partial(Nesterov, lr=lr, mom=beta),
-            'RMSProp': partial(RMSProp, lr=lr_adaptive, sqr_mom=beta2, eps=eps),
-            'Adam': partial(Adam, lr=lr_adaptive, mom=beta, sqr_mom=beta2, eps=eps, wd=0.)}
-
 def trajectory(surface,  # the `Surface` to descend
                opt_func,  # makes the optimizer from a list of parameters
                steps,  # how many steps to take
@@ -308,6 +299,17 @@ def plot_rate_map(ax, curvatures):
     ax.set(xlim=np.log10(lr_range(curvatures)), ylim=(0, betas[-1]), xlabel='log10 lr', ylabel='beta')
     return artists
 
+# %% ../../nbs/02_momentum.ipynb #u06
+from ..optim.more import Nesterov
+
+def optimizer_set(lr, lr_adaptive, beta, beta2, eps):
+    "The five optimizers compared on the surfaces, by name, as functions of the parameters."
+    return {'SGD': partial(SGD, lr=lr),
+            'momentum': partial(SGD, lr=lr, mom=beta),
+            'Nesterov': partial(Nesterov, lr=lr, mom=beta),
+            'RMSProp': partial(RMSProp, lr=lr_adaptive, sqr_mom=beta2, eps=eps),
+            'Adam': partial(Adam, lr=lr_adaptive, mom=beta, sqr_mom=beta2, eps=eps, wd=0.)}
+
 # %% ../../nbs/02_momentum.ipynb #c060
 def _set_log_slider(slider, low, high, value):
     "Give a log slider the range [low, high] and `value`, widening first so no step clamps the value."
@@ -380,6 +382,8 @@ class TrajectoryWidget(FigureWidget):
         self.ax_loss.set(xlim=(0, 50 * np.ceil(steps / 50)), ylim=(top * 1e-14, top))
 
 # %% ../../nbs/02_momentum.ipynb #d002
+DECAY_CURVATURES = np.geomspace(0.01, 1, 6)  # a quadratic with condition number 100, six eigendirections
+
 def direction_errors(lr, beta, curvatures, steps):
     "The error of each eigendirection of a quadratic under heavy ball, from 1 at rest: an array (steps + 1, n)."
     a = lr * np.asarray(curvatures, dtype=np.float64)
@@ -392,8 +396,6 @@ def direction_errors(lr, beta, curvatures, steps):
     return errors
 
 # %% ../../nbs/02_momentum.ipynb #d006
-DECAY_CURVATURES = np.geomspace(0.01, 1, 6)  # a quadratic with condition number 100, six eigendirections
-
 class DirectionDecayWidget(FigureWidget):
     "The rate map of a quadratic with the sliders' (lr, beta), each eigendirection's error over the steps, and what is left."
     def __init__(self,

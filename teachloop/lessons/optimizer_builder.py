@@ -122,7 +122,7 @@ def digits_steps(opt_func, n_steps=30, seed=0):
     losses = run_steps(model, opt_func(model.parameters()), [(x[i], y[i]) for i in order], torch.nn.functional.cross_entropy)
     return losses, model
 
-# %% ../../nbs/07c_optimizer_builder.ipynb #b021
+# %% ../../nbs/07c_optimizer_builder.ipynb #u40
 def recipe_code(cbs, hypers=HYPERS):
     "The Python that builds the optimizer of the callbacks `cbs` with the hyper-parameters it reads from `hypers`."
     names = [getattr(callback_function(cb), '__name__', repr(cb)) for cb in cbs]
@@ -131,6 +131,7 @@ def recipe_code(cbs, hypers=HYPERS):
     used = {k: v for k, v in hypers.items() if any(k in inspect.signature(callback_function(cb)).parameters for cb in cbs)}
     return f"Optimizer(params, [{', '.join(names)}], {', '.join(f'{k}={v:g}' for k, v in used.items())})"
 
+# %% ../../nbs/07c_optimizer_builder.ipynb #b021
 class OptimizerBuilder(FigureWidget):
     "Assemble an optimizer from ticked callbacks; see its code, its path on a surface and a short fit on the digits."
     def __init__(self,

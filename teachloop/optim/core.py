@@ -17,10 +17,10 @@ import torch
 # %% auto #0
 __all__ = ['AT_LEAST_0', 'ABOVE_0', 'IN_0_1', 'MISSING', 'OPTIMIZER_CALLBACKS', 'FAST_STEP_PLANNERS', 'PER_PARAMETER_SETTINGS',
            'OPTIMIZERS', 'sgd_step', 'weight_decay', 'l2_reg', 'average_grad', 'momentum_step', 'average_sqr_grad',
-           'rms_prop_step', 'step_stat', 'debias', 'adam_step', 'CallbackFacts', 'callback_function',
-           'declare_callback', 'callback_facts', 'check_hyper', 'spread_hyper', 'param_shapes', 'check_state_dict_fits',
-           'add_fast_step_planner', 'find_fast_step', 'names_read', 'torch_momentum_name', 'HyperGroup', 'Optimizer',
-           'gradients_kept', 'SGD', 'RMSProp', 'Adam', 'run_steps', 'OptimizerInfo', 'declare_optimizer']
+           'rms_prop_step', 'step_stat', 'debias', 'adam_step', 'SGD', 'RMSProp', 'Adam', 'run_steps', 'CallbackFacts',
+           'callback_function', 'declare_callback', 'callback_facts', 'check_hyper', 'spread_hyper', 'param_shapes',
+           'check_state_dict_fits', 'add_fast_step_planner', 'find_fast_step', 'names_read', 'torch_momentum_name',
+           'HyperGroup', 'Optimizer', 'gradients_kept', 'OptimizerInfo', 'declare_optimizer']
 
 # %% ../../nbs/01_optimizer.ipynb #c018
 def sgd_step(p, lr, **kwargs):
@@ -82,6 +82,34 @@ def adam_step(p, lr, mom, step, sqr_mom, grad_avg, sqr_avg, eps, **kwargs):
     denom = (sqr_avg.sqrt() / math.sqrt(debias2)).add_(eps)
     p.addcdiv_(grad_avg, denom, value=-lr / debias1)
 adam_step.defaults = dict(eps=1e-5)
+
+# %% ../../nbs/01_optimizer.ipynb #c042
+def _decay(decouple_wd): return weight_decay if decouple_wd else l2_reg
+
+def SGD(params, lr, mom=0., wd=0., decouple_wd=True, fast=None):
+    "SGD, with momentum when `mom` > 0 (undampened, as in `torch.optim.SGD`)."
+    cbs = [_decay(decouple_wd)] + ([average_grad, momentum_step] if mom else [sgd_step])
+    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, wd=wd)
+
+def RMSProp(params, lr, sqr_mom=0.99, mom=0., eps=1e-8, wd=0., decouple_wd=True, fast=None):
+    "RMSProp; with `mom` > 0 it steps along the average gradient."
+    cbs = [_decay(decouple_wd)] + ([average_grad] if mom else []) + [average_sqr_grad, rms_prop_step]
+    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
+
+def Adam(params, lr, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01, decouple_wd=True, fast=None):
+    "Adam (AdamW when `decouple_wd`), with fastai's defaults."
+    cbs = [_decay(decouple_wd), partial(average_grad, dampening=True), average_sqr_grad, step_stat, adam_step]
+    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
+
+# %% ../../nbs/01_optimizer.ipynb #c048
+def run_steps(model, opt, batches, loss_func=torch.nn.functional.mse_loss):
+    "Train `model` with `opt` for one pass over `batches`; return the losses as a tensor."
+    losses = []
+    for xb, yb in batches:
+        loss = loss_func(model(xb), yb)
+        loss.backward(); opt.step(); opt.zero_grad()
+        losses.append(loss.detach())
+    return torch.stack(losses)
 
 # %% ../../nbs/01_optimizer.ipynb #c004
 AT_LEAST_0 = (lambda v: v >= 0, "must be >= 0")
@@ -464,34 +492,6 @@ def gradients_kept(params, copy=True):
     try: yield
     finally:
         for p, grad in zip(params, grads): p.grad = grad
-
-# %% ../../nbs/01_optimizer.ipynb #c042
-def _decay(decouple_wd): return weight_decay if decouple_wd else l2_reg
-
-def SGD(params, lr, mom=0., wd=0., decouple_wd=True, fast=None):
-    "SGD, with momentum when `mom` > 0 (undampened, as in `torch.optim.SGD`)."
-    cbs = [_decay(decouple_wd)] + ([average_grad, momentum_step] if mom else [sgd_step])
-    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, wd=wd)
-
-def RMSProp(params, lr, sqr_mom=0.99, mom=0., eps=1e-8, wd=0., decouple_wd=True, fast=None):
-    "RMSProp; with `mom` > 0 it steps along the average gradient."
-    cbs = [_decay(decouple_wd)] + ([average_grad] if mom else []) + [average_sqr_grad, rms_prop_step]
-    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
-
-def Adam(params, lr, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01, decouple_wd=True, fast=None):
-    "Adam (AdamW when `decouple_wd`), with fastai's defaults."
-    cbs = [_decay(decouple_wd), partial(average_grad, dampening=True), average_sqr_grad, step_stat, adam_step]
-    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
-
-# %% ../../nbs/01_optimizer.ipynb #c048
-def run_steps(model, opt, batches, loss_func=torch.nn.functional.mse_loss):
-    "Train `model` with `opt` for one pass over `batches`; return the losses as a tensor."
-    losses = []
-    for xb, yb in batches:
-        loss = loss_func(model(xb), yb)
-        loss.backward(); opt.step(); opt.zero_grad()
-        losses.append(loss.detach())
-    return torch.stack(losses)
 
 # %% ../../nbs/01_optimizer.ipynb #r02
 @dataclass

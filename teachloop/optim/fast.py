@@ -10,6 +10,8 @@ import inspect
 import math
 from functools import partial
 
+from fastcore.basics import patch
+
 import torch
 
 from .core import (add_fast_step_planner, adam_step, average_grad, average_sqr_grad, callback_facts,
@@ -24,7 +26,7 @@ __all__ = ['fused_patterns', 'TensorGroup', 'multi_tensor_version_of', 'per_step
            'rms_prop_step_multi', 'step_stat_multi', 'adam_step_multi', 'nesterov_step_multi', 'qhadam_step_multi',
            'radam_step_multi', 'norms', 'decay_factors', 'lamb_step_multi', 'lars_scale_grad_multi', 'lion_step_multi',
            'keep_slow_weights_multi', 'lookahead_step_multi', 'callback_key', 'fused_adam_step', 'fused_sgd_step',
-           'callback_switches', 'FastStep', 'plan_fast_step']
+           'FastStep', 'plan_fast_step', 'callback_switches']
 
 # %% ../../nbs/08_fast_optimizers.ipynb #c004
 class TensorGroup:
@@ -107,6 +109,7 @@ def average_sqr_grad_multi(group, sqr_mom, dampening=True, **kwargs):
     torch._foreach_mul_(averages, sqr_mom)
     torch._foreach_addcmul_(averages, group.grads, group.grads, value=1 - sqr_mom if dampening else 1.)
 
+# %% ../../nbs/08_fast_optimizers.ipynb #u02
 @multi_tensor_version_of(momentum_step)
 def momentum_step_multi(group, lr, **kwargs):
     "`momentum_step` on every tensor of the group at once."
@@ -173,6 +176,7 @@ def radam_step_multi(group, lr, mom, sqr_mom, eps, step, **kwargs):
         torch._foreach_mul_(updates, rect)
     torch._foreach_sub_(group.params, updates)
 
+# %% ../../nbs/08_fast_optimizers.ipynb #u04
 def norms(tensors):
     "The norm of each tensor, stacked into one tensor on their device."
     return torch.stack(torch._foreach_norm(tensors))
@@ -212,6 +216,7 @@ def lars_scale_grad_multi(group, lr, wd, trust_coeff, eps, clip=False, **kwargs)
     for state, ratio in zip(group.states, ratios): state['trust_ratio'] = ratio
     torch._foreach_mul_(group.grads, list(ratios))
 
+# %% ../../nbs/08_fast_optimizers.ipynb #u06
 @multi_tensor_version_of(lion_step)
 def lion_step_multi(group, lr, mom, avg_mom, **kwargs):
     "`lion_step` on every tensor of the group at once."
@@ -279,6 +284,43 @@ fused_patterns = [([callback_key(weight_decay)] + _adam_tail, partial(fused_adam
                   ([callback_key(average_grad), callback_key(nesterov_step)], partial(fused_sgd_step, nesterov=True))]
 
 # %% ../../nbs/08_fast_optimizers.ipynb #c016
+class FastStep:
+    "A step on whole groups of tensors, made of multi-tensor versions of callbacks and fused kernels."
+    def __init__(self, steps, names, switches=(), fused_state=(), changes_grad=True):
+        self.steps, self.names, self.switches = steps, names, frozenset(switches)
+        self.fused_state = tuple(fused_state)  # state its fused kernels walk with the parameters; None: no fused kernel
+        self.changes_grad = changes_grad  # whether it writes into the gradients (the optimizer then hands it copies)
+
+    def __call__(self, params, states, hypers):
+        group = TensorGroup(params, states)
+        for step in self.steps: step(group, **hypers)
+
+    def __repr__(self): return f"FastStep([{', '.join(self.names)}])"
+
+def _fused_match(keys, start):
+    for pattern, fused in fused_patterns:
+        if keys[start:start + len(pattern)] == pattern: return fused, len(pattern)
+    return None, 1
+
+def plan_fast_step(cbs):
+    "A `FastStep` doing what the callbacks `cbs` do, or `None` if one of them has no multi-tensor version."
+    keys, steps, names, changes_grad, i = [callback_key(cb) for cb in cbs], [], [], False, 0
+    while i < len(keys):
+        fused, length = _fused_match(keys, i)
+        if fused is None:
+            func, keywords = keys[i]
+            version = callback_facts(func).multi_tensor
+            if not callable(version): return None
+            fused = partial(version, **dict(keywords))
+            names.append(version.__name__)
+        else: names.append(fused.func.__name__)
+        if fused.func not in _LEAVES_GRADS:
+            changes_grad = changes_grad or any(callback_facts(func).changes_grad for func, _ in keys[i:i + length])
+        steps.append(fused); i += length
+    fused_state = {name for step in steps for name in _FUSED_STATE.get(getattr(step, 'func', None), ())}
+    return FastStep(steps, names, callback_switches(cbs), sorted(fused_state), changes_grad)
+
+# %% ../../nbs/08_fast_optimizers.ipynb #h02
 def callback_switches(cbs):
     "The on/off arguments of the callbacks `cbs` (`do_wd`, `dampening`, `clip`, ...): those with a bool default."
     names = set()
@@ -305,53 +347,18 @@ def _laid_out_alike(params, states, names):
             if v is not None and v.stride() != strides: return False
     return True
 
-class FastStep:
-    "A step on whole groups of tensors, made of multi-tensor versions of callbacks and fused kernels."
-    def __init__(self, steps, names, switches=(), fused_state=(), changes_grad=True):
-        self.steps, self.names, self.switches = steps, names, frozenset(switches)
-        self.fused_state = tuple(fused_state)  # state its fused kernels walk with the parameters; None: no fused kernel
-        self.changes_grad = changes_grad  # whether it writes into the gradients (the optimizer then hands it copies)
-
-    def __call__(self, params, states, hypers):
-        group = TensorGroup(params, states)
-        for step in self.steps: step(group, **hypers)
-
-    def applies_to(self, params, hypers=(), states=()):
-        "Whether this step does exactly what the callbacks would to `params` with the group's `hypers` and `states`."
-        # The fast versions take switches from `partial` and `do_wd` from the state; a switch set on the group
-        # overrides both for the callbacks, so such a group runs the callbacks.
-        if self.switches.intersection(hypers): return False
-        first = params[0]
-        if first.device.type not in ('cpu', 'cuda') or not first.is_floating_point() or first.is_complex(): return False
-        device, dtype = first.device, first.dtype
-        if not all(p.dtype == dtype and p.device == device and p.grad.layout == torch.strided for p in params): return False
-        # multi-tensor operations pair elements by index whatever the strides; only fused kernels need the same layout
-        return not self.fused_state or _laid_out_alike(params, states, self.fused_state)
-
-    def __repr__(self): return f"FastStep([{', '.join(self.names)}])"
-
-def _fused_match(keys, start):
-    for pattern, fused in fused_patterns:
-        if keys[start:start + len(pattern)] == pattern: return fused, len(pattern)
-    return None, 1
-
-def plan_fast_step(cbs):
-    "A `FastStep` doing what the callbacks `cbs` do, or `None` if one of them has no multi-tensor version."
-    keys, steps, names, changes_grad, i = [callback_key(cb) for cb in cbs], [], [], False, 0
-    while i < len(keys):
-        fused, length = _fused_match(keys, i)
-        if fused is None:
-            func, keywords = keys[i]
-            version = callback_facts(func).multi_tensor
-            if not callable(version): return None
-            fused = partial(version, **dict(keywords))
-            names.append(version.__name__)
-        else: names.append(fused.func.__name__)
-        if fused.func not in _LEAVES_GRADS:
-            changes_grad = changes_grad or any(callback_facts(func).changes_grad for func, _ in keys[i:i + length])
-        steps.append(fused); i += length
-    fused_state = {name for step in steps for name in _FUSED_STATE.get(getattr(step, 'func', None), ())}
-    return FastStep(steps, names, callback_switches(cbs), sorted(fused_state), changes_grad)
+@patch
+def applies_to(self:FastStep, params, hypers=(), states=()):
+    "Whether this step does exactly what the callbacks would to `params` with the group's `hypers` and `states`."
+    # The fast versions take switches from `partial` and `do_wd` from the state; a switch set on the group
+    # overrides both for the callbacks, so such a group runs the callbacks.
+    if self.switches.intersection(hypers): return False
+    first = params[0]
+    if first.device.type not in ('cpu', 'cuda') or not first.is_floating_point() or first.is_complex(): return False
+    device, dtype = first.device, first.dtype
+    if not all(p.dtype == dtype and p.device == device and p.grad.layout == torch.strided for p in params): return False
+    # multi-tensor operations pair elements by index whatever the strides; only fused kernels need the same layout
+    return not self.fused_state or _laid_out_alike(params, states, self.fused_state)
 
 # %% ../../nbs/08_fast_optimizers.ipynb #p016b
 add_fast_step_planner(plan_fast_step)

@@ -6,13 +6,14 @@
 # %% ../../nbs/09_interop.ipynb #c002
 from __future__ import annotations
 
+from fastcore.basics import patch
 import torch
 
 from .core import _as_param_groups, check_hyper, check_state_dict_fits, declare_optimizer, param_shapes, spread_hyper
 
 # %% auto #0
-__all__ = ['NORM_LAYERS', 'torch_location', 'read_hyper', 'write_hyper', 'OptimWrapper', 'split_at', 'norm_params',
-           'norm_and_bias_params', 'parameter_groups', 'freeze_to', 'freeze', 'unfreeze']
+__all__ = ['NORM_LAYERS', 'torch_location', 'read_hyper', 'write_hyper', 'OptimWrapper', 'split_at', 'parameter_groups',
+           'freeze_to', 'freeze', 'unfreeze', 'norm_params', 'norm_and_bias_params']
 
 # %% ../../nbs/09_interop.ipynb #c009
 _plain_names = {'lr': 'lr', 'wd': 'weight_decay', 'eps': 'eps'}
@@ -54,10 +55,6 @@ class OptimWrapper:
 
     @property
     def param_groups(self): return self.opt.param_groups
-    @property
-    def state(self): return self.opt.state
-    @property
-    def defaults(self): return self.opt.defaults
 
     @property
     def decouple_wd(self):
@@ -66,14 +63,6 @@ class OptimWrapper:
 
     def step(self, closure=None): return self.opt.step(closure)
     def zero_grad(self, set_to_none=True): self.opt.zero_grad(set_to_none=set_to_none)
-    def state_dict(self):
-        "The torch optimizer's state, with the parameters' shapes (for the check on loading)."
-        return {**self.opt.state_dict(), 'param_shapes': param_shapes(self.opt)}
-
-    def load_state_dict(self, state_dict):
-        "Load a saved state after checking it fits; a state that does not fit changes nothing."
-        check_state_dict_fits(self.opt, state_dict)
-        self.opt.load_state_dict({k: v for k, v in state_dict.items() if k != 'param_shapes'})
 
     @property
     def hypers(self):
@@ -102,18 +91,6 @@ def split_at(model, *cuts):
     return groups
 
 # %% ../../nbs/09_interop.ipynb #c022
-NORM_LAYERS = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm)
-
-def norm_params(model):
-    "The parameters of `model`'s normalisation layers (BatchNorm, InstanceNorm, LayerNorm, GroupNorm, RMSNorm)."
-    return [p for m in model.modules() if isinstance(m, NORM_LAYERS) for p in m.parameters(recurse=False)]
-
-def norm_and_bias_params(model):
-    "The parameters that usually take no weight decay: those of normalisation layers, and every bias."
-    found = {id(p): p for p in norm_params(model)}
-    found.update((id(p), p) for name, p in model.named_parameters() if name.rsplit('.', 1)[-1] == 'bias')
-    return list(found.values())
-
 def parameter_groups(target):
     "The parameter groups of an optimizer or of a learner (its optimizer's, or its splitter's)."
     if hasattr(target, 'param_groups'): return [g['params'] for g in target.param_groups]
@@ -142,6 +119,36 @@ def freeze(target):
 def unfreeze(target):
     "Train every parameter group."
     freeze_to(target, 0)
+
+# %% ../../nbs/09_interop.ipynb #u02
+NORM_LAYERS = (torch.nn.modules.batchnorm._NormBase, torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm)
+
+def norm_params(model):
+    "The parameters of `model`'s normalisation layers (BatchNorm, InstanceNorm, LayerNorm, GroupNorm, RMSNorm)."
+    return [p for m in model.modules() if isinstance(m, NORM_LAYERS) for p in m.parameters(recurse=False)]
+
+def norm_and_bias_params(model):
+    "The parameters that usually take no weight decay: those of normalisation layers, and every bias."
+    found = {id(p): p for p in norm_params(model)}
+    found.update((id(p), p) for name, p in model.named_parameters() if name.rsplit('.', 1)[-1] == 'bias')
+    return list(found.values())
+
+# %% ../../nbs/09_interop.ipynb #h02
+@patch(as_prop=True)
+def state(self:OptimWrapper): return self.opt.state
+@patch(as_prop=True)
+def defaults(self:OptimWrapper): return self.opt.defaults
+
+@patch
+def state_dict(self:OptimWrapper):
+    "The torch optimizer's state, with the parameters' shapes (for the check on loading)."
+    return {**self.opt.state_dict(), 'param_shapes': param_shapes(self.opt)}
+
+@patch
+def load_state_dict(self:OptimWrapper, state_dict):
+    "Load a saved state after checking it fits; a state that does not fit changes nothing."
+    check_state_dict_fits(self.opt, state_dict)
+    self.opt.load_state_dict({k: v for k, v in state_dict.items() if k != 'param_shapes'})
 
 # %% ../../nbs/09_interop.ipynb #r02
 def _wrapped_torch(params, opt, **kwargs): return OptimWrapper(params, opt, **kwargs)

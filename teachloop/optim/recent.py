@@ -9,28 +9,28 @@ from __future__ import annotations
 import math
 from functools import partial
 
+from fastcore.basics import patch
+
 import torch
 from torch import nn
 
-from .fast import callback_key, fused_patterns, multi_tensor_version_of, per_step_count
 from .core import (ABOVE_0, AT_LEAST_0, IN_0_1, Optimizer, adam_step, average_grad, average_sqr_grad,
-                                 callback_facts, debias, declare_callback, declare_optimizer, l2_reg, step_stat,
-                                 weight_decay)
+                                 debias, declare_callback, declare_optimizer, l2_reg, step_stat, weight_decay)
 from .more import WHOLE_AT_LEAST_1
 
 # %% auto #0
 __all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'AT_MOST_0', 'AT_LEAST_1', 'WHOLE_AT_LEAST_0', 'SCHEDULE_FREE_CLOCK',
            'newton_schulz', 'momentum_direction', 'orthogonalize_grad', 'shape_scaled_step', 'muon_lr_ratio',
            'check_muon_params', 'check_adjust_lr', 'Muon', 'GroupedOptimizer', 'output_layers', 'muon_splitter',
-           'MuonAdamW', 'by_shape', 'momentum_direction_multi', 'orthogonalize_grad_multi', 'shape_scaled_step_multi',
-           'relative_step_size', 'factored_sqr_grad', 'adafactor_step', 'sqr_grad_estimate', 'Adafactor',
-           'vectors_and_matrices', 'relative_step_size_multi', 'factored_sqr_grad_multi', 'adafactor_step_multi',
-           'slow_mom_at', 'slow_average_grad', 'slow_mix_at', 'ademamix_step', 'AdEMAMix', 'slow_average_grad_multi',
-           'ademamix_step_multi', 'fused_per_parameter_on_cpu', 'ademamix_parameter', 'schedule_free_weights',
+           'MuonAdamW', 'relative_step_size', 'factored_sqr_grad', 'adafactor_step', 'sqr_grad_estimate', 'Adafactor',
+           'slow_mom_at', 'slow_average_grad', 'slow_mix_at', 'ademamix_step', 'AdEMAMix', 'schedule_free_weights',
            'rms_normalize_grad', 'schedule_free_step', 'ScheduleFreeOptimizer', 'ScheduleFreeAdamW', 'ScheduleFreeSGD',
-           'each_parameter', 'rms_normalize_grad_multi', 'schedule_free_step_multi', 'schedule_free_adamw_parameter',
            'recompute_batchnorm', 'eigenbasis_adam_step', 'eigenvectors', 'shampoo_eigenbases', 'SOAP', 'nadam_step',
-           'average_abs_max', 'adamax_step', 'average_abs_max_multi', 'adamax_step_multi', 'NAdam', 'Adamax']
+           'NAdam', 'average_abs_max', 'adamax_step', 'Adamax', 'by_shape', 'momentum_direction_multi',
+           'orthogonalize_grad_multi', 'shape_scaled_step_multi', 'vectors_and_matrices', 'relative_step_size_multi',
+           'factored_sqr_grad_multi', 'adafactor_step_multi', 'slow_average_grad_multi', 'ademamix_step_multi',
+           'fused_per_parameter_on_cpu', 'ademamix_parameter', 'each_parameter', 'rms_normalize_grad_multi',
+           'schedule_free_step_multi', 'schedule_free_adamw_parameter', 'average_abs_max_multi', 'adamax_step_multi']
 
 # %% ../../nbs/07a_recent_optimizers.ipynb #c004
 NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # Keller Jordan's quintic: slope 3.4 at zero, torch.optim.Muon's default
@@ -162,7 +162,7 @@ def muon_splitter(model,  # the model whose parameters to split
             for kind, kept in (('muon', [(n, p) for n, p in named if id(p) in hidden]),
                                ('adamw', [(n, p) for n, p in named if id(p) not in hidden]))]
 
-
+# %% ../../nbs/07a_recent_optimizers.ipynb #u02
 def MuonAdamW(params,  # groups from `muon_splitter` (or any groups tagged 'muon' or 'adamw')
               lr=1e-3, mom=0.95, wd=0.1, nesterov=True, ns_steps=5, ns_eps=1e-7,  # Muon's, as in `Muon`
               adjust_lr='match_rms_adamw',  # Moonshot's ratio: the AdamW groups can share `lr` and `wd`
@@ -183,33 +183,6 @@ def MuonAdamW(params,  # groups from `muon_splitter` (or any groups tagged 'muon
                            adjust_lr=adjust_lr, sqr_mom=sqr_mom, eps=eps)
     check_muon_params([group for group in opt.param_groups if group['kind'] == 'muon'])
     return opt
-
-# %% ../../nbs/07a_recent_optimizers.ipynb #c017
-def by_shape(group):
-    "The `TensorGroup` split by the shape of its parameters: {shape: subgroup}."
-    indices = {}
-    for i, p in enumerate(group.params): indices.setdefault(tuple(p.shape), []).append(i)
-    return {shape: group.subset(idx) for shape, idx in indices.items()}
-
-@multi_tensor_version_of(momentum_direction)
-def momentum_direction_multi(group, mom, nesterov=True, **kwargs):
-    "`momentum_direction` on every tensor of the group at once."
-    averages = group.state_tensors('grad_avg')
-    if nesterov: torch._foreach_lerp_(group.grads, averages, mom)
-    else: torch._foreach_copy_(group.grads, averages)
-
-@multi_tensor_version_of(orthogonalize_grad)
-def orthogonalize_grad_multi(group, ns_steps, ns_eps, **kwargs):
-    "`orthogonalize_grad` with one batched Newton-Schulz per shape."
-    for subgroup in by_shape(group).values():
-        orthogonal = newton_schulz(torch.stack(subgroup.grads), ns_steps, ns_eps)
-        torch._foreach_copy_(subgroup.grads, list(orthogonal.unbind()))
-
-@multi_tensor_version_of(shape_scaled_step)
-def shape_scaled_step_multi(group, lr, adjust_lr, **kwargs):
-    "`shape_scaled_step` on every tensor of the group at once, one call per shape."
-    for shape, subgroup in by_shape(group).items():
-        torch._foreach_add_(subgroup.params, subgroup.grads, alpha=-lr * muon_lr_ratio(shape, adjust_lr))
 
 # %% ../../nbs/07a_recent_optimizers.ipynb #c031
 AT_MOST_0 = (lambda v: v <= 0, "must be <= 0")
@@ -255,6 +228,282 @@ def Adafactor(params, lr=1e-2, beta2_decay=-0.8, eps1=None, eps2=1e-3, d=1., wd=
     if eps1 is not None and not eps1 >= 0: raise ValueError(f"eps1 must be None (the dtype's epsilon) or >= 0, got {eps1}")
     cbs = [step_stat, relative_step_size, weight_decay, factored_sqr_grad, adafactor_step]
     return Optimizer(params, cbs, fast=fast, lr=lr, beta2_decay=beta2_decay, eps1=eps1, eps2=eps2, d=d, wd=wd)
+
+# %% ../../nbs/07a_recent_optimizers.ipynb #c039
+WHOLE_AT_LEAST_0 = (lambda v: v >= 0 and v == int(v), "must be a whole number >= 0")
+
+def slow_mom_at(step, mom, slow_mom, warmup):
+    "AdEMAMix's beta3 after `step` steps: from `mom` to `slow_mom`, its half-life growing linearly over `warmup` steps."
+    if step >= warmup: return slow_mom
+    done = step / warmup
+    grown = math.log(mom) * math.log(slow_mom) / ((1 - done) * math.log(slow_mom) + done * math.log(mom))
+    return min(math.exp(grown), slow_mom)
+
+def slow_average_grad(p, step, mom, slow_mom, slow_mom_warmup, slow_avg=None, **kwargs):
+    "Keep AdEMAMix's slow running average of the gradients in `slow_avg`."
+    if slow_avg is None: slow_avg = torch.zeros_like(p.grad)
+    return {'slow_avg': slow_avg.lerp_(p.grad, 1 - slow_mom_at(step, mom, slow_mom, slow_mom_warmup))}
+declare_callback(slow_average_grad, hypers={'mom': IN_0_1, 'slow_mom': IN_0_1, 'slow_mom_warmup': WHOLE_AT_LEAST_0},
+                 effective_lr=None)
+
+def slow_mix_at(step, slow_mix, warmup):
+    "AdEMAMix's alpha after `step` steps: rising linearly from 0 to `slow_mix` over `warmup` steps."
+    return slow_mix * min(1., step / warmup) if warmup else slow_mix
+
+def _adam_denominator(sqr_avg, sqr_mom, step, eps):
+    return (sqr_avg.sqrt() / math.sqrt(debias(sqr_mom, 1 - sqr_mom, step))).add_(eps)
+
+def ademamix_step(p, lr, mom, sqr_mom, step, grad_avg, slow_avg, sqr_avg, eps, slow_mix, slow_mix_warmup, **kwargs):
+    "AdEMAMix's update: Adam's debiased average plus `slow_mix` times the slow average, over Adam's denominator."
+    numerator = (grad_avg / debias(mom, 1 - mom, step)).add_(slow_avg, alpha=slow_mix_at(step, slow_mix, slow_mix_warmup))
+    p.addcdiv_(numerator, _adam_denominator(sqr_avg, sqr_mom, step, eps), value=-lr)
+declare_callback(ademamix_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0,
+                                        'slow_mix': AT_LEAST_0, 'slow_mix_warmup': WHOLE_AT_LEAST_0},
+                 effective_lr=lambda p, state, lr, sqr_mom, eps, **hypers: lr / _adam_denominator(
+                     state['sqr_avg'], sqr_mom, state['step'], eps))
+
+def AdEMAMix(params, lr=1e-3, mom=0.9, sqr_mom=0.999, slow_mom=0.9999, slow_mix=5., slow_mix_warmup=0,
+             slow_mom_warmup=0, eps=1e-8, wd=0., fast=None):
+    "AdEMAMix (Pagliardini et al. 2024): AdamW plus `slow_mix` times a slow average, both warmed up over their steps."
+    cbs = [weight_decay, partial(average_grad, dampening=True), average_sqr_grad, step_stat, slow_average_grad,
+           ademamix_step]
+    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, slow_mom=slow_mom, slow_mix=slow_mix,
+                     slow_mix_warmup=slow_mix_warmup, slow_mom_warmup=slow_mom_warmup, eps=eps, wd=wd)
+
+# %% ../../nbs/07a_recent_optimizers.ipynb #c056
+SCHEDULE_FREE_CLOCK = ('step', 'lr_max', 'weight_sum', 'scheduled_lr', 'average_weight')
+
+def schedule_free_weights(lr, warmup_steps, r, weight_lr_power, step=0, lr_max=-1., weight_sum=0., **kwargs):
+    "A group's clock, one step on: the warmed-up learning rate and the weight of this step in the average of the iterates."
+    step += 1
+    scheduled_lr = lr * min(1., step / warmup_steps) if warmup_steps else lr
+    lr_max = max(scheduled_lr, lr_max)
+    weight = step ** r * lr_max ** weight_lr_power
+    weight_sum += weight
+    return {'step': step, 'scheduled_lr': scheduled_lr, 'lr_max': lr_max, 'weight_sum': weight_sum,
+            'average_weight': weight / weight_sum if weight_sum else 0.}
+declare_callback(schedule_free_weights, hypers={'lr': AT_LEAST_0, 'warmup_steps': WHOLE_AT_LEAST_0, 'r': AT_LEAST_0,
+                                                'weight_lr_power': AT_LEAST_0},
+                 per_group=SCHEDULE_FREE_CLOCK, multi_tensor=None, effective_lr=None)
+
+def rms_normalize_grad(p, sqr_mom, step, eps, sqr_avg, **kwargs):
+    "Divide the gradient by Adam's denominator, the root of the debiased average square plus `eps`."
+    p.grad.div_(_adam_denominator(sqr_avg, sqr_mom, step, eps))
+declare_callback(rms_normalize_grad, hypers={'sqr_mom': IN_0_1, 'eps': ABOVE_0}, changes_grad=True,
+                 effective_lr=lambda p, state, sqr_mom, eps, step, **hypers: 1 / _adam_denominator(
+                     state['sqr_avg'], sqr_mom, step, eps))
+
+def schedule_free_step(p, mom, scheduled_lr, average_weight, z=None, **kwargs):
+    "Move `p` (the point y) and the fast iterate `z` by Schedule-Free's update, without forming the average x."
+    if z is None: z = p.detach().clone()
+    p.lerp_(z, average_weight)
+    p.add_(p.grad, alpha=scheduled_lr * (mom * (1 - average_weight) - 1))
+    z.sub_(p.grad, alpha=scheduled_lr)
+    return {'z': z}
+declare_callback(schedule_free_step, hypers={'mom': IN_0_1},
+                 effective_lr=lambda p, state, scheduled_lr, **hypers: torch.full_like(p, scheduled_lr))
+
+# %% ../../nbs/07a_recent_optimizers.ipynb #c057
+class ScheduleFreeOptimizer(Optimizer):
+    "An `Optimizer` running Schedule-Free callbacks: `eval()` puts the average x in the parameters, `train()` the point y."
+    kept_in_groups = ('train_mode',)
+    def __init__(self, params, cbs, fast=None, **defaults):
+        super().__init__(params, cbs, fast=fast, **defaults)
+        for group in self.param_groups:
+            _check_schedule_free_mom(group['mom'])
+            group.setdefault('train_mode', True)
+
+    def step(self, closure=None):
+        "Take a step; refused in eval mode, where the parameters hold x instead of y."
+        if not all(group.get('train_mode', True) for group in self.param_groups):
+            raise RuntimeError("this Schedule-Free optimizer is in eval mode (its parameters hold the average x): call "
+                               "`opt.train()` before stepping (a Learner does it at the start of each training phase)")
+        return super().step(closure)
+
+    @torch.no_grad()
+    def hyper_changed(self, group, name, old):
+        "A new `mom` while the parameters hold y: y is made again for it from the same z and x (x stays as it was)."
+        if name != 'mom' or not group.get('train_mode', True): return
+        new = group['mom']
+        try: _check_schedule_free_mom(new)
+        except ValueError:
+            group['mom'] = old  # the value is refused: the group keeps the one y was made with
+            raise
+        for p in group['params']:  # x = (y - (1-old) z) / old, then y' = (1-new) z + new x
+            z = self.state[p].get('z')
+            if z is not None: p.mul_(new / old).add_(z, alpha=(1 - new) - (1 - old) * new / old)
+
+# %% ../../nbs/07a_recent_optimizers.ipynb #u03
+def _check_schedule_free_mom(mom):
+    if not mom > 0: raise ValueError(f"Schedule-Free needs mom > 0 (x = (y - (1-mom) z) / mom), got {mom}")
+
+def ScheduleFreeAdamW(params, lr=2.5e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., warmup_steps=0, r=0.,
+                      weight_lr_power=2., fast=None):
+    "Schedule-Free AdamW (Defazio et al. 2024), with the defaults of the `schedulefree` package."
+    cbs = [schedule_free_weights, average_sqr_grad, rms_normalize_grad, l2_reg, schedule_free_step]
+    return ScheduleFreeOptimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
+                                 warmup_steps=warmup_steps, r=r, weight_lr_power=weight_lr_power)
+
+def ScheduleFreeSGD(params, lr=1., mom=0.9, wd=0., warmup_steps=0, r=0., weight_lr_power=2., fast=None):
+    "Schedule-Free SGD (Defazio et al. 2024), with the defaults of the `schedulefree` package."
+    cbs = [schedule_free_weights, l2_reg, schedule_free_step]
+    return ScheduleFreeOptimizer(params, cbs, fast=fast, lr=lr, mom=mom, wd=wd, warmup_steps=warmup_steps, r=r,
+                                 weight_lr_power=weight_lr_power)
+
+# %% ../../nbs/07a_recent_optimizers.ipynb #u05
+@patch
+@torch.no_grad()
+def _switch(self:ScheduleFreeOptimizer, training):
+    for group in self.param_groups:
+        if group.setdefault('train_mode', True) == training: continue
+        weight = 1 - group['mom'] if training else 1 - 1 / group['mom']
+        for p in group['params']:
+            if 'z' in self.state[p]: p.lerp_(self.state[p]['z'], weight)
+        group['train_mode'] = training
+
+@patch
+def train(self:ScheduleFreeOptimizer):
+    "Put the point y, where gradients are taken, in the parameters (a no-op if it is there)."
+    self._switch(True)
+
+@patch
+def eval(self:ScheduleFreeOptimizer):
+    "Put the average x, the weights to evaluate, in the parameters (a no-op if it is there)."
+    self._switch(False)
+
+# %% ../../nbs/07a_recent_optimizers.ipynb #c069
+@torch.no_grad()
+def recompute_batchnorm(model,  # the model, holding the weights to evaluate
+                        inputs,  # an iterable of input tuples for the model (training batches without targets)
+                        n_batches=50,  # how many of them to run
+                       ):
+    "Recompute the running statistics of `model`'s BatchNorm layers as their average over `n_batches` of `inputs`."
+    layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
+    if not layers: return 0
+    momenta, was_training, seen = [m.momentum for m in layers], model.training, 0
+    for m in layers: m.reset_running_stats(); m.momentum = None
+    model.train()
+    try:
+        for batch in inputs:
+            if seen == n_batches: break
+            model(*batch); seen += 1
+    finally:
+        for m, momentum in zip(layers, momenta): m.momentum = momentum
+        model.train(was_training)
+    return seen
+
+# %% ../../nbs/07a_recent_optimizers.ipynb #c071
+def _rotated(tensor, left, right):
+    "`left.T @ tensor @ right`, or `tensor` itself where there is no basis (not a matrix)."
+    return tensor if left is None else left.T @ tensor @ right
+
+def eigenbasis_adam_step(p, lr, mom, sqr_mom, step, eps, grad_avg, left_basis=None, right_basis=None,
+                         rotated_sqr_avg=None, **kwargs):
+    "Adam's step taken in the eigenbasis of Shampoo's preconditioners (plain Adam before there is one, or for vectors)."
+    rotated_grad = _rotated(p.grad, left_basis, right_basis)
+    if rotated_sqr_avg is None: rotated_sqr_avg = torch.zeros_like(rotated_grad)
+    rotated_sqr_avg.mul_(sqr_mom).addcmul_(rotated_grad, rotated_grad, value=1 - sqr_mom)
+    direction = _rotated(grad_avg, left_basis, right_basis) / _adam_denominator(rotated_sqr_avg, sqr_mom, step, eps)
+    if left_basis is not None: direction = left_basis @ direction @ right_basis.T
+    p.sub_(direction, alpha=lr / debias(mom, 1 - mom, step))
+    return {'rotated_sqr_avg': rotated_sqr_avg}
+declare_callback(eigenbasis_adam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0},
+                 effective_lr=None)  # its per-element rates live in the rotated space, not on the weights
+
+# %% ../../nbs/07a_recent_optimizers.ipynb #u07
+def eigenvectors(matrix):
+    "The eigenvectors of the symmetric `matrix` (columns), computed in float64: float32 `eigh` fails on rank-deficient ones."
+    return torch.linalg.eigh(matrix.double()).eigenvectors.to(matrix.dtype)
+
+def shampoo_eigenbases(p, sqr_mom, step, precondition_frequency, left_stats=None, right_stats=None, **kwargs):
+    "Keep Shampoo's averages G G^T and G^T G of a matrix's gradient; renew their eigenvectors at step 1 and every `precondition_frequency`."
+    if p.dim() != 2: return None
+    grad = p.grad
+    if left_stats is None: left_stats, right_stats = grad.new_zeros(grad.shape[0], grad.shape[0]), grad.new_zeros(grad.shape[1], grad.shape[1])
+    left_stats.lerp_(grad @ grad.T, 1 - sqr_mom)
+    right_stats.lerp_(grad.T @ grad, 1 - sqr_mom)
+    new_state = {'left_stats': left_stats, 'right_stats': right_stats}
+    if step == 1 or step % precondition_frequency == 0:
+        new_state.update(left_basis=eigenvectors(left_stats), right_basis=eigenvectors(right_stats))
+    return new_state
+declare_callback(shampoo_eigenbases, hypers={'sqr_mom': IN_0_1, 'precondition_frequency': WHOLE_AT_LEAST_1},
+                 effective_lr=None)
+
+def SOAP(params, lr=3e-3, mom=0.95, sqr_mom=0.95, eps=1e-8, wd=0.01, precondition_frequency=10, fast=None):
+    "SOAP (Vyas et al. 2024): Adam in the eigenbasis of Shampoo's preconditioners, renewed every `precondition_frequency` steps."
+    cbs = [weight_decay, partial(average_grad, dampening=True), step_stat, shampoo_eigenbases, eigenbasis_adam_step]
+    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
+                     precondition_frequency=precondition_frequency)
+
+# %% ../../nbs/07a_recent_optimizers.ipynb #c076
+def nadam_step(p, lr, mom, sqr_mom, step, eps, momentum_decay, grad_avg, sqr_avg, mu_product=1., **kwargs):
+    "NAdam's update: the fresh gradient and the average gradient, each with its momentum-product debiasing."
+    mu, mu_next = (mom * (1 - 0.5 * 0.96 ** (t * momentum_decay)) for t in (step, step + 1))
+    mu_product *= mu
+    denominator = (sqr_avg / debias(sqr_mom, 1 - sqr_mom, step)).sqrt_().add_(eps)
+    p.addcdiv_(p.grad, denominator, value=-lr * (1 - mu) / (1 - mu_product))
+    p.addcdiv_(grad_avg, denominator, value=-lr * mu_next / (1 - mu_product * mu_next))
+    return {'mu_product': mu_product}
+declare_callback(nadam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0,
+                                     'momentum_decay': AT_LEAST_0},
+                 effective_lr=lambda p, state, lr, sqr_mom, eps, **hypers: lr / (
+                     (state['sqr_avg'] / debias(sqr_mom, 1 - sqr_mom, state['step'])).sqrt() + eps))
+
+def NAdam(params, lr=2e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., momentum_decay=4e-3, decouple_wd=False, fast=None):
+    "NAdam (Dozat 2016) as `torch.optim.NAdam`, with its defaults."
+    cbs = [weight_decay if decouple_wd else l2_reg, partial(average_grad, dampening=True), average_sqr_grad, step_stat,
+           nadam_step]
+    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
+                     momentum_decay=momentum_decay)
+
+# %% ../../nbs/07a_recent_optimizers.ipynb #u09
+def average_abs_max(p, sqr_mom, eps, inf_avg=None, **kwargs):
+    "Keep Adamax's running maximum of the gradient's size, max(`sqr_mom` * inf_avg, |grad| + `eps`), in `inf_avg`."
+    if inf_avg is None: inf_avg = torch.zeros_like(p.grad)
+    return {'inf_avg': torch.maximum(inf_avg.mul_(sqr_mom), p.grad.abs().add_(eps), out=inf_avg)}
+declare_callback(average_abs_max, hypers={'sqr_mom': IN_0_1, 'eps': ABOVE_0}, effective_lr=None)
+
+def adamax_step(p, lr, mom, step, grad_avg, inf_avg, **kwargs):
+    "Adamax's update: the debiased average gradient over the running maximum of its size."
+    p.addcdiv_(grad_avg, inf_avg, value=-lr / debias(mom, 1 - mom, step))
+declare_callback(adamax_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1},
+                 effective_lr=lambda p, state, lr, **hypers: lr / state['inf_avg'])
+
+def Adamax(params, lr=2e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., fast=None):
+    "Adamax (Kingma and Ba 2015) as `torch.optim.Adamax`, with its defaults."
+    cbs = [l2_reg, partial(average_grad, dampening=True), average_abs_max, step_stat, adamax_step]
+    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
+
+# %% ../../nbs/07a_recent_optimizers.ipynb #h02
+from .core import callback_facts
+from .fast import callback_key, fused_patterns, multi_tensor_version_of, per_step_count
+
+# %% ../../nbs/07a_recent_optimizers.ipynb #c017
+def by_shape(group):
+    "The `TensorGroup` split by the shape of its parameters: {shape: subgroup}."
+    indices = {}
+    for i, p in enumerate(group.params): indices.setdefault(tuple(p.shape), []).append(i)
+    return {shape: group.subset(idx) for shape, idx in indices.items()}
+
+@multi_tensor_version_of(momentum_direction)
+def momentum_direction_multi(group, mom, nesterov=True, **kwargs):
+    "`momentum_direction` on every tensor of the group at once."
+    averages = group.state_tensors('grad_avg')
+    if nesterov: torch._foreach_lerp_(group.grads, averages, mom)
+    else: torch._foreach_copy_(group.grads, averages)
+
+@multi_tensor_version_of(orthogonalize_grad)
+def orthogonalize_grad_multi(group, ns_steps, ns_eps, **kwargs):
+    "`orthogonalize_grad` with one batched Newton-Schulz per shape."
+    for subgroup in by_shape(group).values():
+        orthogonal = newton_schulz(torch.stack(subgroup.grads), ns_steps, ns_eps)
+        torch._foreach_copy_(subgroup.grads, list(orthogonal.unbind()))
+
+@multi_tensor_version_of(shape_scaled_step)
+def shape_scaled_step_multi(group, lr, adjust_lr, **kwargs):
+    "`shape_scaled_step` on every tensor of the group at once, one call per shape."
+    for shape, subgroup in by_shape(group).items():
+        torch._foreach_add_(subgroup.params, subgroup.grads, alpha=-lr * muon_lr_ratio(shape, adjust_lr))
 
 # %% ../../nbs/07a_recent_optimizers.ipynb #c034
 def vectors_and_matrices(group):
@@ -308,47 +557,6 @@ def adafactor_step_multi(group, d, eps1, **kwargs):
     torch._foreach_mul_(updates, list(scales.unbind()))
     torch._foreach_sub_(group.params, updates)
 
-# %% ../../nbs/07a_recent_optimizers.ipynb #c039
-WHOLE_AT_LEAST_0 = (lambda v: v >= 0 and v == int(v), "must be a whole number >= 0")
-
-def slow_mom_at(step, mom, slow_mom, warmup):
-    "AdEMAMix's beta3 after `step` steps: from `mom` to `slow_mom`, its half-life growing linearly over `warmup` steps."
-    if step >= warmup: return slow_mom
-    done = step / warmup
-    grown = math.log(mom) * math.log(slow_mom) / ((1 - done) * math.log(slow_mom) + done * math.log(mom))
-    return min(math.exp(grown), slow_mom)
-
-def slow_average_grad(p, step, mom, slow_mom, slow_mom_warmup, slow_avg=None, **kwargs):
-    "Keep AdEMAMix's slow running average of the gradients in `slow_avg`."
-    if slow_avg is None: slow_avg = torch.zeros_like(p.grad)
-    return {'slow_avg': slow_avg.lerp_(p.grad, 1 - slow_mom_at(step, mom, slow_mom, slow_mom_warmup))}
-declare_callback(slow_average_grad, hypers={'mom': IN_0_1, 'slow_mom': IN_0_1, 'slow_mom_warmup': WHOLE_AT_LEAST_0},
-                 effective_lr=None)
-
-def slow_mix_at(step, slow_mix, warmup):
-    "AdEMAMix's alpha after `step` steps: rising linearly from 0 to `slow_mix` over `warmup` steps."
-    return slow_mix * min(1., step / warmup) if warmup else slow_mix
-
-def _adam_denominator(sqr_avg, sqr_mom, step, eps):
-    return (sqr_avg.sqrt() / math.sqrt(debias(sqr_mom, 1 - sqr_mom, step))).add_(eps)
-
-def ademamix_step(p, lr, mom, sqr_mom, step, grad_avg, slow_avg, sqr_avg, eps, slow_mix, slow_mix_warmup, **kwargs):
-    "AdEMAMix's update: Adam's debiased average plus `slow_mix` times the slow average, over Adam's denominator."
-    numerator = (grad_avg / debias(mom, 1 - mom, step)).add_(slow_avg, alpha=slow_mix_at(step, slow_mix, slow_mix_warmup))
-    p.addcdiv_(numerator, _adam_denominator(sqr_avg, sqr_mom, step, eps), value=-lr)
-declare_callback(ademamix_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0,
-                                        'slow_mix': AT_LEAST_0, 'slow_mix_warmup': WHOLE_AT_LEAST_0},
-                 effective_lr=lambda p, state, lr, sqr_mom, eps, **hypers: lr / _adam_denominator(
-                     state['sqr_avg'], sqr_mom, state['step'], eps))
-
-def AdEMAMix(params, lr=1e-3, mom=0.9, sqr_mom=0.999, slow_mom=0.9999, slow_mix=5., slow_mix_warmup=0,
-             slow_mom_warmup=0, eps=1e-8, wd=0., fast=None):
-    "AdEMAMix (Pagliardini et al. 2024): AdamW plus `slow_mix` times a slow average, both warmed up over their steps."
-    cbs = [weight_decay, partial(average_grad, dampening=True), average_sqr_grad, step_stat, slow_average_grad,
-           ademamix_step]
-    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, slow_mom=slow_mom, slow_mix=slow_mix,
-                     slow_mix_warmup=slow_mix_warmup, slow_mom_warmup=slow_mom_warmup, eps=eps, wd=wd)
-
 # %% ../../nbs/07a_recent_optimizers.ipynb #c050
 @multi_tensor_version_of(slow_average_grad)
 @per_step_count
@@ -398,102 +606,6 @@ def ademamix_parameter(p, state, lr, mom, sqr_mom, slow_mom, slow_mix, slow_mix_
 fused_per_parameter_on_cpu([weight_decay, partial(average_grad, dampening=True), average_sqr_grad, step_stat,
                             slow_average_grad, ademamix_step], ademamix_parameter)
 
-# %% ../../nbs/07a_recent_optimizers.ipynb #c056
-SCHEDULE_FREE_CLOCK = ('step', 'lr_max', 'weight_sum', 'scheduled_lr', 'average_weight')
-
-def schedule_free_weights(lr, warmup_steps, r, weight_lr_power, step=0, lr_max=-1., weight_sum=0., **kwargs):
-    "A group's clock, one step on: the warmed-up learning rate and the weight of this step in the average of the iterates."
-    step += 1
-    scheduled_lr = lr * min(1., step / warmup_steps) if warmup_steps else lr
-    lr_max = max(scheduled_lr, lr_max)
-    weight = step ** r * lr_max ** weight_lr_power
-    weight_sum += weight
-    return {'step': step, 'scheduled_lr': scheduled_lr, 'lr_max': lr_max, 'weight_sum': weight_sum,
-            'average_weight': weight / weight_sum if weight_sum else 0.}
-declare_callback(schedule_free_weights, hypers={'lr': AT_LEAST_0, 'warmup_steps': WHOLE_AT_LEAST_0, 'r': AT_LEAST_0,
-                                                'weight_lr_power': AT_LEAST_0},
-                 per_group=SCHEDULE_FREE_CLOCK, multi_tensor=None, effective_lr=None)
-
-def rms_normalize_grad(p, sqr_mom, step, eps, sqr_avg, **kwargs):
-    "Divide the gradient by Adam's denominator, the root of the debiased average square plus `eps`."
-    p.grad.div_(_adam_denominator(sqr_avg, sqr_mom, step, eps))
-declare_callback(rms_normalize_grad, hypers={'sqr_mom': IN_0_1, 'eps': ABOVE_0}, changes_grad=True,
-                 effective_lr=lambda p, state, sqr_mom, eps, step, **hypers: 1 / _adam_denominator(
-                     state['sqr_avg'], sqr_mom, step, eps))
-
-def schedule_free_step(p, mom, scheduled_lr, average_weight, z=None, **kwargs):
-    "Move `p` (the point y) and the fast iterate `z` by Schedule-Free's update, without forming the average x."
-    if z is None: z = p.detach().clone()
-    p.lerp_(z, average_weight)
-    p.add_(p.grad, alpha=scheduled_lr * (mom * (1 - average_weight) - 1))
-    z.sub_(p.grad, alpha=scheduled_lr)
-    return {'z': z}
-declare_callback(schedule_free_step, hypers={'mom': IN_0_1},
-                 effective_lr=lambda p, state, scheduled_lr, **hypers: torch.full_like(p, scheduled_lr))
-
-# %% ../../nbs/07a_recent_optimizers.ipynb #c057
-class ScheduleFreeOptimizer(Optimizer):
-    "An `Optimizer` running Schedule-Free callbacks: `eval()` puts the average x in the parameters, `train()` the point y."
-    kept_in_groups = ('train_mode',)
-    def __init__(self, params, cbs, fast=None, **defaults):
-        super().__init__(params, cbs, fast=fast, **defaults)
-        for group in self.param_groups:
-            _check_schedule_free_mom(group['mom'])
-            group.setdefault('train_mode', True)
-
-    @torch.no_grad()
-    def _switch(self, training):
-        for group in self.param_groups:
-            if group.setdefault('train_mode', True) == training: continue
-            weight = 1 - group['mom'] if training else 1 - 1 / group['mom']
-            for p in group['params']:
-                if 'z' in self.state[p]: p.lerp_(self.state[p]['z'], weight)
-            group['train_mode'] = training
-
-    def train(self):
-        "Put the point y, where gradients are taken, in the parameters (a no-op if it is there)."
-        self._switch(True)
-
-    def eval(self):
-        "Put the average x, the weights to evaluate, in the parameters (a no-op if it is there)."
-        self._switch(False)
-
-    def step(self, closure=None):
-        "Take a step; refused in eval mode, where the parameters hold x instead of y."
-        if not all(group.get('train_mode', True) for group in self.param_groups):
-            raise RuntimeError("this Schedule-Free optimizer is in eval mode (its parameters hold the average x): call "
-                               "`opt.train()` before stepping (a Learner does it at the start of each training phase)")
-        return super().step(closure)
-
-    @torch.no_grad()
-    def hyper_changed(self, group, name, old):
-        "A new `mom` while the parameters hold y: y is made again for it from the same z and x (x stays as it was)."
-        if name != 'mom' or not group.get('train_mode', True): return
-        new = group['mom']
-        try: _check_schedule_free_mom(new)
-        except ValueError:
-            group['mom'] = old  # the value is refused: the group keeps the one y was made with
-            raise
-        for p in group['params']:  # x = (y - (1-old) z) / old, then y' = (1-new) z + new x
-            z = self.state[p].get('z')
-            if z is not None: p.mul_(new / old).add_(z, alpha=(1 - new) - (1 - old) * new / old)
-
-def _check_schedule_free_mom(mom):
-    if not mom > 0: raise ValueError(f"Schedule-Free needs mom > 0 (x = (y - (1-mom) z) / mom), got {mom}")
-
-def ScheduleFreeAdamW(params, lr=2.5e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., warmup_steps=0, r=0.,
-                      weight_lr_power=2., fast=None):
-    "Schedule-Free AdamW (Defazio et al. 2024), with the defaults of the `schedulefree` package."
-    cbs = [schedule_free_weights, average_sqr_grad, rms_normalize_grad, l2_reg, schedule_free_step]
-    return ScheduleFreeOptimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
-                                 warmup_steps=warmup_steps, r=r, weight_lr_power=weight_lr_power)
-
-def ScheduleFreeSGD(params, lr=1., mom=0.9, wd=0., warmup_steps=0, r=0., weight_lr_power=2., fast=None):
-    "Schedule-Free SGD (Defazio et al. 2024), with the defaults of the `schedulefree` package."
-    cbs = [schedule_free_weights, l2_reg, schedule_free_step]
-    return ScheduleFreeOptimizer(params, cbs, fast=fast, lr=lr, mom=mom, wd=wd, warmup_steps=warmup_steps, r=r,
-                                 weight_lr_power=weight_lr_power)
-
 # %% ../../nbs/07a_recent_optimizers.ipynb #c059
 def each_parameter(callback):
     "A multi-tensor version of `callback` that runs it on each parameter in turn, for callbacks with no batched form."
@@ -531,98 +643,10 @@ def schedule_free_adamw_parameter(p, state, mom, sqr_mom, eps, wd, step, schedul
 fused_per_parameter_on_cpu([average_sqr_grad, rms_normalize_grad, l2_reg, schedule_free_step],
                            schedule_free_adamw_parameter)
 
-# %% ../../nbs/07a_recent_optimizers.ipynb #c069
-@torch.no_grad()
-def recompute_batchnorm(model,  # the model, holding the weights to evaluate
-                        inputs,  # an iterable of input tuples for the model (training batches without targets)
-                        n_batches=50,  # how many of them to run
-                       ):
-    "Recompute the running statistics of `model`'s BatchNorm layers as their average over `n_batches` of `inputs`."
-    layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
-    if not layers: return 0
-    momenta, was_training, seen = [m.momentum for m in layers], model.training, 0
-    for m in layers: m.reset_running_stats(); m.momentum = None
-    model.train()
-    try:
-        for batch in inputs:
-            if seen == n_batches: break
-            model(*batch); seen += 1
-    finally:
-        for m, momentum in zip(layers, momenta): m.momentum = momentum
-        model.train(was_training)
-    return seen
-
-# %% ../../nbs/07a_recent_optimizers.ipynb #c071
-def _rotated(tensor, left, right):
-    "`left.T @ tensor @ right`, or `tensor` itself where there is no basis (not a matrix)."
-    return tensor if left is None else left.T @ tensor @ right
-
-def eigenbasis_adam_step(p, lr, mom, sqr_mom, step, eps, grad_avg, left_basis=None, right_basis=None,
-                         rotated_sqr_avg=None, **kwargs):
-    "Adam's step taken in the eigenbasis of Shampoo's preconditioners (plain Adam before there is one, or for vectors)."
-    rotated_grad = _rotated(p.grad, left_basis, right_basis)
-    if rotated_sqr_avg is None: rotated_sqr_avg = torch.zeros_like(rotated_grad)
-    rotated_sqr_avg.mul_(sqr_mom).addcmul_(rotated_grad, rotated_grad, value=1 - sqr_mom)
-    direction = _rotated(grad_avg, left_basis, right_basis) / _adam_denominator(rotated_sqr_avg, sqr_mom, step, eps)
-    if left_basis is not None: direction = left_basis @ direction @ right_basis.T
-    p.sub_(direction, alpha=lr / debias(mom, 1 - mom, step))
-    return {'rotated_sqr_avg': rotated_sqr_avg}
-declare_callback(eigenbasis_adam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0},
-                 effective_lr=None)  # its per-element rates live in the rotated space, not on the weights
-
-def eigenvectors(matrix):
-    "The eigenvectors of the symmetric `matrix` (columns), computed in float64: float32 `eigh` fails on rank-deficient ones."
-    return torch.linalg.eigh(matrix.double()).eigenvectors.to(matrix.dtype)
-
-def shampoo_eigenbases(p, sqr_mom, step, precondition_frequency, left_stats=None, right_stats=None, **kwargs):
-    "Keep Shampoo's averages G G^T and G^T G of a matrix's gradient; renew their eigenvectors at step 1 and every `precondition_frequency`."
-    if p.dim() != 2: return None
-    grad = p.grad
-    if left_stats is None: left_stats, right_stats = grad.new_zeros(grad.shape[0], grad.shape[0]), grad.new_zeros(grad.shape[1], grad.shape[1])
-    left_stats.lerp_(grad @ grad.T, 1 - sqr_mom)
-    right_stats.lerp_(grad.T @ grad, 1 - sqr_mom)
-    new_state = {'left_stats': left_stats, 'right_stats': right_stats}
-    if step == 1 or step % precondition_frequency == 0:
-        new_state.update(left_basis=eigenvectors(left_stats), right_basis=eigenvectors(right_stats))
-    return new_state
-declare_callback(shampoo_eigenbases, hypers={'sqr_mom': IN_0_1, 'precondition_frequency': WHOLE_AT_LEAST_1},
-                 effective_lr=None)
-
+# %% ../../nbs/07a_recent_optimizers.ipynb #h07
 multi_tensor_version_of(eigenbasis_adam_step)(each_parameter(eigenbasis_adam_step))
 multi_tensor_version_of(shampoo_eigenbases)(each_parameter(shampoo_eigenbases))
-
-def SOAP(params, lr=3e-3, mom=0.95, sqr_mom=0.95, eps=1e-8, wd=0.01, precondition_frequency=10, fast=None):
-    "SOAP (Vyas et al. 2024): Adam in the eigenbasis of Shampoo's preconditioners, renewed every `precondition_frequency` steps."
-    cbs = [weight_decay, partial(average_grad, dampening=True), step_stat, shampoo_eigenbases, eigenbasis_adam_step]
-    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
-                     precondition_frequency=precondition_frequency)
-
-# %% ../../nbs/07a_recent_optimizers.ipynb #c076
-def nadam_step(p, lr, mom, sqr_mom, step, eps, momentum_decay, grad_avg, sqr_avg, mu_product=1., **kwargs):
-    "NAdam's update: the fresh gradient and the average gradient, each with its momentum-product debiasing."
-    mu, mu_next = (mom * (1 - 0.5 * 0.96 ** (t * momentum_decay)) for t in (step, step + 1))
-    mu_product *= mu
-    denominator = (sqr_avg / debias(sqr_mom, 1 - sqr_mom, step)).sqrt_().add_(eps)
-    p.addcdiv_(p.grad, denominator, value=-lr * (1 - mu) / (1 - mu_product))
-    p.addcdiv_(grad_avg, denominator, value=-lr * mu_next / (1 - mu_product * mu_next))
-    return {'mu_product': mu_product}
-declare_callback(nadam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0,
-                                     'momentum_decay': AT_LEAST_0},
-                 effective_lr=lambda p, state, lr, sqr_mom, eps, **hypers: lr / (
-                     (state['sqr_avg'] / debias(sqr_mom, 1 - sqr_mom, state['step'])).sqrt() + eps))
 multi_tensor_version_of(nadam_step)(each_parameter(nadam_step))
-
-def average_abs_max(p, sqr_mom, eps, inf_avg=None, **kwargs):
-    "Keep Adamax's running maximum of the gradient's size, max(`sqr_mom` * inf_avg, |grad| + `eps`), in `inf_avg`."
-    if inf_avg is None: inf_avg = torch.zeros_like(p.grad)
-    return {'inf_avg': torch.maximum(inf_avg.mul_(sqr_mom), p.grad.abs().add_(eps), out=inf_avg)}
-declare_callback(average_abs_max, hypers={'sqr_mom': IN_0_1, 'eps': ABOVE_0}, effective_lr=None)
-
-def adamax_step(p, lr, mom, step, grad_avg, inf_avg, **kwargs):
-    "Adamax's update: the debiased average gradient over the running maximum of its size."
-    p.addcdiv_(grad_avg, inf_avg, value=-lr / debias(mom, 1 - mom, step))
-declare_callback(adamax_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1},
-                 effective_lr=lambda p, state, lr, **hypers: lr / state['inf_avg'])
 
 @multi_tensor_version_of(average_abs_max)
 def average_abs_max_multi(group, sqr_mom, eps, **kwargs):
@@ -639,18 +663,6 @@ def adamax_step_multi(group, lr, mom, step, **kwargs):
     "`adamax_step` on every tensor of the group at once."
     torch._foreach_addcdiv_(group.params, group.state_tensors('grad_avg'), group.state_tensors('inf_avg'),
                             value=-lr / debias(mom, 1 - mom, step))
-
-def NAdam(params, lr=2e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., momentum_decay=4e-3, decouple_wd=False, fast=None):
-    "NAdam (Dozat 2016) as `torch.optim.NAdam`, with its defaults."
-    cbs = [weight_decay if decouple_wd else l2_reg, partial(average_grad, dampening=True), average_sqr_grad, step_stat,
-           nadam_step]
-    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd,
-                     momentum_decay=momentum_decay)
-
-def Adamax(params, lr=2e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., fast=None):
-    "Adamax (Kingma and Ba 2015) as `torch.optim.Adamax`, with its defaults."
-    cbs = [l2_reg, partial(average_grad, dampening=True), average_abs_max, step_stat, adamax_step]
-    return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
 
 # %% ../../nbs/07a_recent_optimizers.ipynb #r02
 def _torch_muon(params, lr=1e-3, mom=0.95, wd=0.1, nesterov=True, ns_steps=5, ns_eps=1e-7, adjust_lr='original'):

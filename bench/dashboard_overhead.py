@@ -90,10 +90,10 @@ def with_panels(dashboard):
     return dashboard
 
 
-def sharpness_cost(n_iter=20, repeats=5):
+def sharpness_cost(power_iters=20, repeats=5):
     "Seconds of one sharpness estimate, and of one training step, on the digits CNN (median of `repeats`)."
     learn = digits_learner()
-    sharp = Sharpness(every=10 ** 9, n_iter=n_iter)
+    sharp = Sharpness(every=10 ** 9, power_iters=power_iters)
     learn.fit(1, cbs=[sharp])  # takes the fixed batch; `every` is too large for an estimate during the fit
     sharp.learn = learn
     estimates = []

@@ -21,6 +21,7 @@ from .lessons.momentum import *
 from .lessons.optimizer_builder import *
 from .learner import *
 from .callback.core import *
+from .callback.loggers import *
 from .callback.schedule import *
 from .callback.schedule_free import *
 from .diagnostics.effective_lr import *
@@ -29,6 +30,7 @@ from .diagnostics.layer_stats import *
 from .callback.nan_capture import *
 from .callback.checkpoint import *
 from .callback.tracker import *
+from .inference import *
 from .callback.faults import *
 from .testing import *
 from .callback.distributed import *
@@ -43,8 +45,9 @@ from .dashboard.live import *
 # the modules above, in the same (course) order: the API reference lists them so
 MODULES = tuple(importlib.import_module(f'teachloop.{name}') for name in (
     'core', 'random_state', 'data', 'figures', 'optim.core', 'optim.more', 'optim.recent', 'optim.fast', 'optim.interop',
-    'lessons.momentum', 'lessons.optimizer_builder', 'learner', 'callback.core', 'callback.schedule', 'callback.schedule_free',
-    'diagnostics.effective_lr', 'diagnostics.sharpness', 'diagnostics.layer_stats', 'callback.nan_capture',
-    'callback.checkpoint', 'callback.tracker', 'callback.faults', 'testing', 'callback.distributed', 'lessons.race',
+    'lessons.momentum', 'lessons.optimizer_builder', 'learner', 'callback.core', 'callback.loggers',
+    'callback.schedule', 'callback.schedule_free', 'diagnostics.effective_lr', 'diagnostics.sharpness',
+    'diagnostics.layer_stats', 'callback.nan_capture', 'callback.checkpoint', 'callback.tracker', 'inference',
+    'callback.faults', 'testing', 'callback.distributed', 'lessons.race',
     'dashboard.controls', 'dashboard.buffers', 'dashboard.plot', 'dashboard.widget', 'dashboard.live'))
 __all__ = [name for module in MODULES for name in module.__all__]

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['default_device', 'to_device', 'atomic_save', 'check_save_path', 'check_save_folder', 'process_rank', 'process_count',
-           'several_processes', 'written_by_rank_zero', 'InterruptGate', 'check_count', 'check_mode']
+__all__ = ['default_device', 'to_device', 'atomic_write', 'atomic_save', 'check_save_path', 'check_save_folder', 'process_rank',
+           'process_count', 'several_processes', 'written_by_rank_zero', 'InterruptGate', 'check_count', 'check_mode']
 
 # %% ../nbs/00a_core.ipynb #c005
 def default_device():
@@ -32,18 +32,22 @@ def to_device(batch, device, non_blocking=True):
 
 
 # %% ../nbs/00a_core.ipynb #c008
-def atomic_save(obj, path):
-    "`torch.save` `obj` to `path` through a temporary file in the same folder, then rename it into place."
+def atomic_write(path, write, mode='wb'):
+    "Call `write(file)` on a temporary file in `path`'s folder (opened with `mode`), then rename it to `path`."
     path = os.fspath(path)
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix='.tmp-', suffix='.pt')
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix='.tmp-', suffix=os.path.splitext(path)[1])
     try:
-        with os.fdopen(fd, 'wb') as f: torch.save(obj, f)
+        with os.fdopen(fd, mode) as f: write(f)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp): os.remove(tmp)
         raise
+
+def atomic_save(obj, path):
+    "`torch.save` `obj` to `path` through a temporary file in the same folder, then rename it into place."
+    atomic_write(path, lambda f: torch.save(obj, f))
 
 # %% ../nbs/00a_core.ipynb #u02
 def _nearest_existing(path):
@@ -163,5 +167,5 @@ def check_mode(mode):
     "Raise `ValueError` unless `mode` is 'min' or 'max'."
     if mode not in ('min', 'max'):
         raise ValueError(f"mode must be 'min' (lower is better, a loss) or 'max' (higher is better, an accuracy), got "
-                         f"{mode!r}; it is never guessed from the metric's name")
+                         f"{mode!r}")
 

@@ -10,7 +10,9 @@ import os
 import re
 import threading
 import warnings
+from collections.abc import Mapping
 from contextlib import contextmanager
+from functools import partial
 
 from fastcore.basics import patch
 from pathlib import Path
@@ -18,16 +20,17 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core import InterruptGate, atomic_save, check_save_path
+from .core import InterruptGate, atomic_save, check_count, check_save_path
 from .optim.core import Adam, Optimizer, check_hyper
 
 # %% auto #0
-__all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'CancelBatchException', 'CancelBackwardException',
-           'CancelStepException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
-           'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'set_optimizer_mode',
-           'TrainEvalCallback', 'add_default_callbacks', 'OneProcess', 'default_splitter', 'Learner', 'callback_list',
-           'GatherPreds', 'check_fit_args', 'check_state_matches', 'optimizer_with_state', 'restore_training_state',
-           'EventLog']
+__all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'LOSS_ACTIVATIONS', 'COMPILED_PREFIX',
+           'CancelBatchException', 'CancelBackwardException', 'CancelStepException', 'CancelTrainException',
+           'CancelValidException', 'CancelEpochException', 'CancelFitException', 'snake_name', 'check_event_names',
+           'Callback', 'set_optimizer_mode', 'TrainEvalCallback', 'add_default_callbacks', 'OneProcess',
+           'default_splitter', 'Learner', 'callback_list', 'GatherPreds', 'softmax_over_classes', 'most_probable_class',
+           'above_half', 'loss_activation', 'loss_decodes', 'check_fit_args', 'state_for', 'check_state_matches',
+           'optimizer_with_state', 'restore_training_state', 'EventLog']
 
 # %% ../nbs/04_learner.ipynb #c004
 class CancelBatchException(Exception):
@@ -202,12 +205,12 @@ class Learner:
                  default_cbs=True,  # add the callbacks in `DEFAULT_CALLBACKS` (train/eval; device, recorder, progress bar)
                  wd_bn_bias=True,  # weight decay on normalisation layers and biases too (False: on the other weights only)
                  train_bn=True,  # keep normalisation layers training when the model is frozen (see `freeze_to`)
+                 n_inp=None,  # how many items of a batch are the model's inputs, the rest targets (None: all but the last)
                 ):
-        _check_learner_args(dls, model, loss_func, opt_func, lr, metrics)  # under the hood, below
+        _check_learner_args(dls, model, loss_func, opt_func, lr, metrics, n_inp)  # under the hood, below
         self.dls, self.model, self.loss_func, self.opt_func = dls, model, loss_func, opt_func
-        self.lr, self.wd, self.moms, self.splitter = lr, wd, moms, splitter
-        self.wd_bn_bias, self.train_bn = wd_bn_bias, train_bn
-        self.metrics = list(metrics or [])
+        self.lr, self.wd, self.moms, self.splitter, self.n_inp = lr, wd, moms, splitter, n_inp
+        self.wd_bn_bias, self.train_bn, self.metrics = wd_bn_bias, train_bn, list(metrics or [])
         self.opt, self.dl, self.xb, self.yb, self.pred, self.loss, self.loss_grad = None, None, (), (), None, None, None
         self.n_epoch = self.n_iter = self.epoch = self.iter = self.train_iter = self.start_epoch = 0
         self.pct_train, self.training = 0., False
@@ -220,7 +223,7 @@ class Learner:
     @property
     def x(self): return self.xb[0]
     @property
-    def y(self): return self.yb[0]
+    def y(self): return self.yb[0] if self.yb else None  # None: a batch of inputs only
 
     def __getattr__(self, attr): return _callback_named(self, attr)  # `learn.recorder`: see below
     def __repr__(self):
@@ -323,6 +326,7 @@ def _with_events(self:Learner, body, name, cancel_exception):
 def _do_one_batch(self:Learner):
     self.pred = self._forward()
     self('after_pred')
+    if not self.yb: return  # a batch of inputs only (predictions, below): no loss, no `after_loss`
     self.loss_grad = self._compute_loss()
     self.loss = self.loss_grad.detach().clone()
     self('after_loss')
@@ -345,9 +349,9 @@ def _step(self:Learner):
 # %% ../nbs/04_learner.ipynb #c023b
 @patch
 def _split_batch(self:Learner, batch):
-    if not isinstance(batch, (list, tuple)) or len(batch) < 2:
-        raise TypeError(f"each batch must be an (inputs..., target) tuple or list, got {type(batch).__name__}")
-    self.xb, self.yb = tuple(batch[:-1]), (batch[-1],)
+    "The first `n_inp` items of `batch` are the model's inputs (default: all but the last), the others its targets."
+    batch, n_inp = _batch_and_n_inp(self, batch)  # checked under the hood: a dict, a batch of inputs only
+    self.xb, self.yb = tuple(batch[:n_inp]), tuple(batch[n_inp:])
 
 @patch
 def _all_batches(self:Learner):
@@ -385,6 +389,7 @@ def _do_epoch(self:Learner):
 @patch
 def _do_fit(self:Learner):
     _exempt_norm_and_bias(self, self.opt)  # again after `before_fit`: a state loaded since may have changed it
+    _warn_if_each_process_trains_alone(self)  # under torchrun but outside `learn.distributed()`: under the hood
     for self.epoch in range(self.start_epoch, self.n_epoch):
         self._with_events(self._do_epoch, 'epoch', CancelEpochException)
 
@@ -398,7 +403,8 @@ def callback_list(cbs):
 def create_opt(self:Learner):
     "Create the optimizer from `opt_func` with the splitter's parameter groups and the learner's `lr` and `wd`."
     self._check_owner('create an optimizer')
-    opt = self.opt_func(self.splitter(self.model), lr=self.lr if not isinstance(self.lr, (slice, list, tuple)) else 1e-3)
+    opt_func = _learner_opt_func(self.opt_func)  # a class of torch.optim goes into an `OptimWrapper`: under the hood
+    opt = opt_func(self.splitter(self.model), lr=self.lr if not isinstance(self.lr, (slice, list, tuple)) else 1e-3)
     if isinstance(self.lr, (slice, list, tuple)): opt.set_hyper('lr', self.lr)
     if self.wd is not None: opt.set_hyper('wd', self.wd)
     _exempt_norm_and_bias(self, opt)
@@ -454,12 +460,15 @@ def _cleanup(self:Learner):
 
 # %% ../nbs/04_learner.ipynb #c027
 class GatherPreds(Callback):
-    "Collect predictions and targets of the validation batches."
+    "Collect the predictions and targets (and, with `with_input`, the inputs) of the validation batches."
     run_train, observes = False, True
-    def before_validate(self): self.preds, self.targets = [], []
-    def after_batch(self):
-        self.preds.append(self.pred.detach())
-        self.targets.append(self.y.detach())
+    def __init__(self, with_input=False): self.with_input = with_input
+    def before_validate(self): self.inputs, self.preds, self.targets = [], [], []
+    def after_batch(self):  # validation runs under `torch.no_grad()`: there is nothing to detach
+        if self.pred is None: return  # a batch cancelled before the model ran
+        self.preds.append(self.pred)
+        self.targets.append(self.yb)
+        if self.with_input: self.inputs.append(self.xb)
 
 @patch
 def validate(self:Learner, dl=None):
@@ -470,22 +479,58 @@ def validate(self:Learner, dl=None):
         finally: self._cleanup()
     return self.recorder.last_valid
 
+# %% ../nbs/04_learner.ipynb #c027a
+def _classes_dim(pred): return 1 if pred.ndim > 1 else 0  # where torch's `cross_entropy` finds the classes
+def softmax_over_classes(pred): "Probabilities of the classes."; return pred.softmax(_classes_dim(pred))
+def most_probable_class(probs): "The index of the most probable class."; return probs.argmax(_classes_dim(probs))
+def above_half(probs): "Each label whose probability is above one half."; return probs > 0.5
+def _unchanged(pred): return pred
+
+# The losses whose activation is known: (the loss as a function, as a module, its activation, its decoding)
+LOSS_ACTIVATIONS = [(nn.functional.cross_entropy, nn.CrossEntropyLoss, softmax_over_classes, most_probable_class),
+                    (nn.functional.binary_cross_entropy_with_logits, nn.BCEWithLogitsLoss, torch.sigmoid, above_half)]
+
+def _known(loss_func, i):
+    "Item `i` (2: the activation, 3: the decoding) of the entry of `loss_func` in `LOSS_ACTIVATIONS`; else no change."
+    func = loss_func.func if isinstance(loss_func, partial) else loss_func
+    return next((known[i] for known in LOSS_ACTIVATIONS if func is known[0] or isinstance(func, known[1])), _unchanged)
+
+def loss_activation(loss_func):
+    "What turns the model's output into the probabilities `loss_func` compares with the targets (or leaves it)."
+    return getattr(loss_func, 'activation', None) or _known(loss_func, 2)  # a fastai loss carries its own
+
+def loss_decodes(loss_func):
+    "What turns probabilities for `loss_func` into answers: the most probable class, each label above 1/2 (or nothing)."
+    return getattr(loss_func, 'decodes', None) or _known(loss_func, 3)
+
+# %% ../nbs/04_learner.ipynb #c027b
 @patch
-def get_preds(self:Learner, dl=None):
-    "Predictions and targets over `dl` (default: the validation set), concatenated, on the CPU."
-    with self.exclusive('get_preds'), self.added_cbs([GatherPreds()]) as (gather,):
+def get_preds(self:Learner,
+              dl=None,  # a data loader (default: the validation set); its batches may hold inputs only
+              with_input=False,  # return the inputs too, first
+              with_decoded=False,  # return the decoded predictions too, last (`loss_decodes`)
+              act=None,  # applied to the model's output; None: the loss's activation (`loss_activation`)
+             ):
+    "`(inputs, predictions, targets, decoded)` over `dl` on the CPU: inputs and decoded on request, targets None if none."
+    if dl is None and self.dls.valid is None: raise ValueError("there is no validation set: pass `dl`")
+    gather = GatherPreds(with_input)
+    with self.exclusive('get_preds'), self.added_cbs([gather]):
         try: self._do_validate(dl if dl is not None else self.dls.valid)
         finally: self._cleanup()
-    return torch.cat(gather.preds).cpu(), torch.cat(gather.targets).cpu()
+    preds = (act or loss_activation(self.loss_func))(_gathered(gather.preds))  # `_gathered`: under the hood
+    found = [_unpacked(_gathered(gather.inputs))] if with_input else []
+    found += [preds, _unpacked(_gathered(gather.targets))]
+    if with_decoded: found.append(loss_decodes(self.loss_func)(preds))
+    return tuple(found)
 
 @patch
-def predict(self:Learner, x):
-    "The model's output for the input batch `x`."
+def predict(self:Learner,
+            item,  # the model's inputs for one example, without a batch dimension: a tensor, or a tuple of them
+           ):
+    "`(decoded, probabilities)` of one item, as `get_preds` makes them."
     with self.exclusive('predict'):
-        self.model.eval()
-        device = next(self.model.parameters()).device
-        with torch.no_grad(): return self.model(x.to(device))
-
+        preds, _, decoded = self.get_preds(dl=[_batch_of_one(self, item)], with_decoded=True)
+    return _first_of_batch(decoded), _first_of_batch(preds)
 
 # %% ../nbs/04_learner.ipynb #c028
 @patch
@@ -509,13 +554,13 @@ def load(self:Learner, path, with_opt=True):
         if with_opt and 'opt' in obj:
             if self.opt is None: self.create_opt()
             self.opt.load_state_dict(obj['opt'])
-        self.model.load_state_dict(obj['model'])
+        self.model.load_state_dict(state_for(self.model, obj['model']))
     return self
 
 # %% ../nbs/04_learner.ipynb #u02
 from .optim.interop import norm_and_bias_params
 
-def _check_learner_args(dls, model, loss_func, opt_func, lr, metrics):
+def _check_learner_args(dls, model, loss_func, opt_func, lr, metrics, n_inp):
     if not (hasattr(dls, 'train') and hasattr(dls, 'valid')):
         raise TypeError(f"dls must have `.train` and `.valid` (got {type(dls).__name__}); "
                         "wrap your loaders: `DataLoaders(train_dl, valid_dl)`")
@@ -523,6 +568,8 @@ def _check_learner_args(dls, model, loss_func, opt_func, lr, metrics):
     if not callable(loss_func):
         raise TypeError(f"loss_func must be callable as loss_func(pred, target), got {type(loss_func).__name__}")
     if not callable(opt_func): raise TypeError(f"opt_func must be callable, got {type(opt_func).__name__}")
+    _check_torch_optimizer(opt_func)  # below, with the batches and predictions
+    if n_inp is not None: check_count('n_inp', n_inp)  # None: all but the last item of a batch are inputs
     if not isinstance(lr, (slice, list, tuple)): check_hyper('lr', lr)
     for m in metrics or []:
         if not callable(m): raise TypeError(f"each metric must be a function f(pred, target), got {m!r}")
@@ -534,6 +581,7 @@ def _init_engine(self:Learner):
     self.interrupts = InterruptGate()
     self.stop_agreement = None  # how a request to stop reaches every process training together (notebook 15)
     self.processes = OneProcess()  # replaced while several processes train together (notebook 15)
+    self._warned_alone = False  # warned that under torchrun this learner fits outside `distributed()` (below)
 
 def _check_new_callback(learn, existing, cb):
     if isinstance(cb, type):
@@ -654,9 +702,16 @@ def release(self:Learner, thread):
         if self.__dict__.get('_owner') is thread: self._owner = None
 
 # %% ../nbs/04_learner.ipynb #u10
+COMPILED_PREFIX = '_orig_mod.'  # torch.compile keeps the model it wraps as `_orig_mod`: its weights' names start so
+
+def state_for(model, state):
+    "`state` with the names `model` gives its weights, where they differ only by torch.compile's `_orig_mod.`, either way."
+    own = {k.replace(COMPILED_PREFIX, ''): k for k in model.state_dict()}
+    return {own.get(k.replace(COMPILED_PREFIX, ''), k): v for k, v in state.items()}
+
 def check_state_matches(model, state):
     "Raise `ValueError` if the model state dict `state` does not fit `model` (names and shapes)."
-    own = model.state_dict()
+    own, state = model.state_dict(), state_for(model, state)
     missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
     wrong = [f"{k}: file {tuple(state[k].shape)} vs model {tuple(own[k].shape)}"
              for k in own if k in state and hasattr(state[k], 'shape') and state[k].shape != own[k].shape]
@@ -680,8 +735,148 @@ def restore_training_state(learn, model_state, opt_state):
     "Load weights and, into a new optimizer, `opt_state`; both are checked first, so a mismatch changes nothing."
     check_state_matches(learn.model, model_state)
     opt = optimizer_with_state(learn, opt_state)
-    learn.model.load_state_dict(model_state)
+    learn.model.load_state_dict(state_for(learn.model, model_state))
     learn.opt = opt
+
+# %% ../nbs/04_learner.ipynb #h25b
+class _InputsOnly(tuple):
+    "A batch whose items are all the model's inputs (what `predict` makes from one item)."
+
+_TARGET_KEYS = ('y', 'label', 'labels', 'target', 'targets')
+
+def _dict_batch_message(batch):
+    "The error for a dict batch: the `collate_fn` that makes a tuple of it, with its keys, the target's last."
+    keys = sorted(batch, key=lambda k: str(k).lower() in _TARGET_KEYS)  # a stable sort: the likely targets last
+    return (f"each batch must be a tuple (inputs..., targets), got a dict with the keys {list(batch)}. Give the "
+            "DataLoader a collate_fn that puts them in order, the model's inputs first (a learner with several "
+            "targets takes `n_inp`, the number of inputs):\n\n"
+            "    def as_tuple(items):\n"
+            "        batch = torch.utils.data.default_collate(items)\n"
+            f"        return {', '.join(f'batch[{k!r}]' for k in keys)}\n\n"
+            "    DataLoader(dataset, batch_size=..., shuffle=..., collate_fn=as_tuple)")
+
+def _batch_and_n_inp(learn, batch):
+    "`batch` as a tuple, and how many of its items are the model's inputs; a training batch must hold targets too."
+    if isinstance(batch, Mapping): raise TypeError(_dict_batch_message(batch))
+    if isinstance(batch, _InputsOnly): return batch, len(batch)
+    if isinstance(batch, torch.Tensor): batch = (batch,)  # a loader over a single tensor: inputs only
+    if not isinstance(batch, (list, tuple)):
+        raise TypeError(f"each batch must be a tuple or list (inputs..., targets), got {type(batch).__name__}")
+    n_inp = learn.n_inp if learn.n_inp is not None else max(len(batch) - 1, 1)
+    if len(batch) < n_inp:
+        raise TypeError(f"a batch of {len(batch)} items cannot hold the model's {n_inp} inputs (n_inp={n_inp})")
+    if learn.training and len(batch) == n_inp:
+        raise TypeError(f"a training batch needs targets after the model's {n_inp} input(s), and this one has "
+                        f"{len(batch)} item(s): a batch of inputs only can be predicted (`get_preds`), not trained on")
+    return tuple(batch), n_inp
+
+# %% ../nbs/04_learner.ipynb #h25d
+def _rebuilt(like, parts):
+    "A tuple, list or named tuple of the same type as `like`, holding `parts`."
+    return type(like)(*parts) if hasattr(like, '_fields') else type(like)(parts)
+
+def _map_tensors(fn, obj):
+    "`obj` with `fn` applied to each of its tensors, nested in tuples, lists and dicts."
+    if isinstance(obj, torch.Tensor): return fn(obj)
+    if isinstance(obj, Mapping): return {k: _map_tensors(fn, v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)): return _rebuilt(obj, [_map_tensors(fn, v) for v in obj])
+    return obj
+
+def _joined(chunks):
+    "The batches in `chunks` (tensors, or tuples, lists or dicts of them) as one, joined along the batch dimension."
+    first = chunks[0]
+    if isinstance(first, torch.Tensor): return torch.cat(chunks) if first.ndim else torch.stack(chunks)
+    if isinstance(first, Mapping): return {k: _joined([c[k] for c in chunks]) for k in first}
+    if isinstance(first, (list, tuple)): return _rebuilt(first, [_joined(list(part)) for part in zip(*chunks)])
+    return list(chunks)  # anything else: one entry per batch
+
+def _on_cpu_in_float32(t):
+    t = t.cpu()
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+def _gathered(chunks):
+    "What `GatherPreds` kept of each batch, joined, on the CPU, half precision made float32."
+    if not chunks: raise ValueError("the data loader gave no batches to predict on")
+    return _map_tensors(_on_cpu_in_float32, _joined(chunks))
+
+def _unpacked(items):
+    "The inputs or targets of a batch: None if there are none, the tensor if one, else the tuple."
+    return None if not items else items[0] if len(items) == 1 else items
+
+def _first_of_batch(obj): return _map_tensors(lambda t: t[0], obj)
+
+def _batch_of_one(learn, item):
+    "The model's inputs in `item` (with `n_inp`: its first `n_inp` parts) as a batch of one, on the model's device."
+    inputs = tuple(item) if isinstance(item, (list, tuple)) else (item,)
+    if learn.n_inp is not None:
+        if len(inputs) < learn.n_inp: raise ValueError(f"the item has {len(inputs)} part(s), the model takes {learn.n_inp} inputs")
+        inputs = inputs[:learn.n_inp]  # the item of a data set: its targets after the inputs
+    device = next(learn.model.parameters(), torch.empty(0)).device
+    return _InputsOnly(_map_tensors(lambda t: t[None].to(device), x) for x in inputs)
+
+# %% ../nbs/04_learner.ipynb #h25f
+from .optim.interop import OptimWrapper
+
+_REFUSED_TORCH_OPTIMIZERS = {
+    torch.optim.LBFGS: "its step needs a closure that computes the loss again, several times a step, and a learner "
+                       "computes it once a batch; use LBFGS in a loop of your own",
+    torch.optim.SparseAdam: "it takes sparse gradients only (those of `nn.Embedding(sparse=True)`), and the other "
+                            "layers of a model give dense ones; use torch.optim.Adam"}
+
+def _torch_optimizer_class(opt_func):
+    "The class of torch.optim (or another's, not teachloop's) that `opt_func` makes, itself, in a `partial` or in an `OptimWrapper`."
+    func, kwargs = (opt_func.func, opt_func.keywords) if isinstance(opt_func, partial) else (opt_func, {})
+    if func is OptimWrapper: func = kwargs.get('opt')
+    found = isinstance(func, type) and issubclass(func, torch.optim.Optimizer) and not issubclass(func, Optimizer)
+    return func if found else None
+
+def _check_torch_optimizer(opt_func):
+    torch_class = _torch_optimizer_class(opt_func)
+    for refused, why in _REFUSED_TORCH_OPTIMIZERS.items():
+        if torch_class is not None and issubclass(torch_class, refused):
+            raise ValueError(f"{torch_class.__name__} cannot train in a Learner: {why}")
+    if torch_class is not None and isinstance(opt_func, partial) and opt_func.args:
+        raise TypeError(f"give the arguments of {torch_class.__name__} by name in the partial (the learner passes the "
+                        f"parameter groups first), got {opt_func.args}")
+
+def _learner_opt_func(opt_func):
+    "`opt_func` as the learner calls it: a torch optimizer class, or a `partial` of one, put into an `OptimWrapper`."
+    torch_class = _torch_optimizer_class(opt_func)
+    if torch_class is None or (isinstance(opt_func, partial) and opt_func.func is OptimWrapper): return opt_func
+    return partial(OptimWrapper, opt=torch_class, **(opt_func.keywords if isinstance(opt_func, partial) else {}))
+
+# %% ../nbs/04_learner.ipynb #h25h
+from .optim import interop
+
+@patch
+def freeze_to(self:Learner,
+              n:int,  # the first group that trains (negative: counted from the end)
+             ):
+    "Train only the parameter groups from index `n` on (see `teachloop.optim.interop.freeze_to`)."
+    interop.freeze_to(self, n)
+
+@patch
+def freeze(self:Learner):
+    "Train only the last parameter group (a new head on a trained body)."
+    interop.freeze(self)
+
+@patch
+def unfreeze(self:Learner):
+    "Train every parameter group."
+    interop.unfreeze(self)
+
+# %% ../nbs/04_learner.ipynb #h25j
+def _warn_if_each_process_trains_alone(learn):
+    "Warn, once per learner and in rank 0, that a fit under torchrun (WORLD_SIZE > 1) trains each process on all the data."
+    world = os.environ.get('WORLD_SIZE', '1')
+    if learn._warned_alone or learn.processes.several or not world.isdigit() or int(world) < 2: return
+    if isinstance(getattr(learn.dls.train, 'sampler', None), torch.utils.data.DistributedSampler): return
+    learn._warned_alone = True
+    if os.environ.get('RANK', '0') != '0': return
+    warnings.warn(f"WORLD_SIZE is {world}: this script runs in {world} processes, and this fit, outside "
+                  "`with learn.distributed():`, trains each of them on all the data, alone (their tables interleave). "
+                  "To train them together, each on its shard of the data: `import teachloop.callback.distributed`, "
+                  "then `with learn.distributed(): learn.fit(...)`")
 
 # %% ../nbs/04_learner.ipynb #c030
 class EventLog(Callback):

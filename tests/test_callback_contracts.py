@@ -45,6 +45,7 @@ from teachloop.callback.schedule_free import BatchNormAtAverage
 from teachloop.callback.core import (DeviceCallback, GradientAccumulation, MixedPrecision,
                                  ProgressCallback, Recorder)
 from teachloop.callback.checkpoint import Checkpoint, ResumePoints
+from teachloop.callback.loggers import CSVLogger, ShowGraph, TensorBoardLogger, read_scalars
 from teachloop.callback.tracker import EarlyStopping, ReduceLROnPlateau, SaveModel, TrackerCallback
 from teachloop.dashboard.live import TrainingDashboard
 from teachloop.dashboard.controls import SteeringCallback
@@ -59,7 +60,7 @@ from teachloop.optim.core import SGD
 from teachloop.lessons.race import StepTimer
 from teachloop.random_state import loader_generators, rng_states, same_state, set_seed
 from teachloop.optim.recent import ScheduleFreeSGD
-from teachloop.callback.schedule import LRFinder, ParamScheduler, annealing_cos
+from teachloop.callback.schedule import LRFinder, LRSchedulerCallback, ParamScheduler, annealing_cos
 from teachloop.diagnostics.sharpness import Sharpness
 
 SGD_MOM = partial(SGD, mom=0.9)
@@ -112,6 +113,17 @@ def dashboard_curves(cb):
     return {name: (torch.from_numpy(s.x.copy()), torch.from_numpy(s.y.copy())) for name, s in series.items()}
 
 
+def csv_rows(cb):
+    "The rows of a CSVLogger's file, without their wall time."
+    return [{k: v for k, v in row.items() if k != 'time'} for row in cb.read_log()]
+
+
+def event_scalars(cb): return read_scalars(cb.run_dir)  # every scalar of the run, as TensorBoard reads them
+
+
+def drawn_lines(cb): return [line.get_xydata().tolist() for line in cb.fig.axes[0].lines]
+
+
 # ---- the descriptions
 
 @dataclass
@@ -153,12 +165,15 @@ CALLBACKS = {
     'GradientAccumulation': Described(lambda folder: GradientAccumulation(16), state=tracked),
     'ParamScheduler': Described(lambda folder: ParamScheduler({'lr': partial(annealing_cos, 0.05, 0.005)}),
                                 state=lambda cb: cb.hps),
+    # torch's OneCycleLR stepped every batch, momentum cycled too, as long as the fit (the view's groups in its state)
+    'LRSchedulerCallback': Described(lambda folder: LRSchedulerCallback(torch.optim.lr_scheduler.OneCycleLR, max_lr=0.05),
+                                     state=tracked),
     'LRFinder': Described(lambda folder: LRFinder(num_it=6), two_processes='refused',
                           resumes="lr_find runs it and restores the learner afterwards: a range test is run again, "
                                   "never resumed"),
     'EffectiveLRTracker': Described(lambda folder: EffectiveLRTracker(every=2), observes=True,
                                     state=lambda cb: cb.history),
-    'Sharpness': Described(lambda folder: Sharpness(every=2, n_iter=3), observes=True, state=sharpness_estimates),
+    'Sharpness': Described(lambda folder: Sharpness(every=2, power_iters=3), observes=True, state=sharpness_estimates),
     'LayerStats': Described(lambda folder: LayerStats(every=2), observes=True, state=layer_ticks),
     'NaNCapture': Described(lambda folder: NaNCapture(folder / 'nan-capture.pt'), observes=True),
     'Resume': Described(why="`fit(resume=...)` makes it: the resume battery runs it with every callback"),
@@ -184,6 +199,11 @@ CALLBACKS = {
     'StepTimer': Described(lambda folder: StepTimer(), observes=True),  # the wall time of its own fit call
     'SteeringCallback': Described(lambda folder: SteeringCallback(), observes=True),  # requests belong to their call
     'TrainingDashboard': Described(lambda folder: TrainingDashboard(live=False), observes=True, state=dashboard_curves),
+    'CSVLogger': Described(lambda folder: CSVLogger(folder / 'history.csv'), observes=True, state=csv_rows),
+    # written every 3 batches: the resume battery's interruptions fall between two writes
+    'TensorBoardLogger': Described(lambda folder: TensorBoardLogger(folder / 'runs', every=3), observes=True,
+                                   state=event_scalars),
+    'ShowGraph': Described(lambda folder: ShowGraph(folder / 'losses.png', refresh=0), observes=True, state=drawn_lines),
 }
 
 
@@ -242,7 +262,8 @@ def exported_callbacks():
         for name in getattr(loaded, '__all__', ()):
             obj = getattr(loaded, name)
             if isinstance(obj, type) and issubclass(obj, Callback) and obj is not Callback:
-                (designs if obj.__module__.startswith('teachloop.designs') else found).setdefault(name, obj.__module__)
+                # by the class's own name: an alias (fastai's `EarlyStoppingCallback`) is the class it names
+                (designs if obj.__module__.startswith('teachloop.designs') else found).setdefault(obj.__name__, obj.__module__)
     return found, designs
 
 

@@ -7,6 +7,7 @@ from functools import partial
 import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,8 +15,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from teachloop.callback.schedule_free import BatchNormAtAverage
-from teachloop.callback.core import (DeviceCallback, GradientAccumulation, MixedPrecision, Recorder, hypers_read,
-                                 smooth_values, smoothing_window)
+from teachloop.callback.core import (AccumMetric, DeviceCallback, GradientAccumulation, MixedPrecision, Recorder,
+                                 hypers_read, smooth_values, smoothing_window)
 from teachloop.callback.checkpoint import Checkpoint, read_checkpoint
 from teachloop.data import DataLoaders
 from teachloop.callback.faults import GradientClipping
@@ -301,3 +302,156 @@ def test_on_a_gpu_mixed_precision_waits_for_its_checks_while_gradients_accumulat
     default, waiting = fit(None), fit(False)
     assert default.mixed_precision._deferred is False and default.mixed_precision.skipped == 1
     assert all(map(torch.equal, default.model.parameters(), waiting.model.parameters()))
+
+
+# ---- metrics: any number, and metrics of the whole set (AccumMetric)
+
+def rmse(pred, target): return torch.sqrt(F.mse_loss(pred, target))
+
+
+def regression_learner(metrics, valid_sizes=(32, 7, 13), seed=0):
+    "A linear model in float64 on a regression whose noise grows along the validation set, cut into `valid_sizes` batches."
+    generator = torch.Generator().manual_seed(seed)
+    n_valid = sum(valid_sizes)
+    x = torch.randn(64 + n_valid, 2, dtype=torch.float64, generator=generator)
+    scale = torch.cat([torch.ones(64, dtype=torch.float64), torch.linspace(0.1, 4, n_valid, dtype=torch.float64)])
+    y = (x @ torch.tensor([2., -1.], dtype=torch.float64) + torch.randn(len(x), dtype=torch.float64,
+                                                                       generator=generator) * scale)[:, None]
+    ends = torch.tensor([64, *valid_sizes]).cumsum(0).tolist()
+    valid = [(x[a:b], y[a:b]) for a, b in zip(ends, ends[1:])]
+    set_seed(seed)
+    learn = Learner(DataLoaders([(x[:32], y[:32]), (x[32:64], y[32:64])], valid), nn.Linear(2, 1).double(), F.mse_loss,
+                    opt_func=SGD, lr=0.05, metrics=metrics, default_cbs=False, cbs=[Recorder()])
+    return learn, torch.cat([b[0] for b in valid]), torch.cat([b[1] for b in valid])
+
+
+@pytest.mark.numeric
+def test_accum_metric_is_the_rmse_of_the_whole_set_and_the_batch_average_is_not():
+    learn, x_valid, y_valid = regression_learner([rmse, AccumMetric(rmse, name='rmse_whole')])
+    learn.fit(1)
+    _, averaged, whole = learn.recorder.values[-1][2:5]
+    with torch.no_grad(): errors = (learn.model(x_valid) - y_valid).squeeze(1)
+    by_hand = (sum(e * e for e in errors.tolist()) / len(errors)) ** 0.5  # in Python floats, item by item
+    assert learn.recorder.metric_names[3:5] == ['rmse', 'rmse_whole']
+    assert abs(whole - by_hand) < 1e-12 * by_hand  # float64 sums in another order: 1e-16 an addition
+    assert abs(averaged - by_hand) > 0.05
+    assert learn.metrics[1].preds == []  # the batches are let go once the value is read
+
+
+@pytest.mark.numeric
+def test_accum_metric_with_scikit_learns_auc_and_f1_equals_them_on_the_whole_set():
+    from sklearn.metrics import f1_score, roc_auc_score
+    set_seed(0)
+    x, y = torch.randn(120, 5, dtype=torch.float64), torch.randint(0, 3, (120,))
+    model = nn.Linear(5, 3).double()
+    valid = [(x[a:b], y[a:b]) for a, b in ((0, 50), (50, 57), (57, 120))]
+    metrics = [AccumMetric(roc_auc_score, activation='softmax', flatten=False, to_np=True, invert_arg=True,
+                           multi_class='ovr', name='auc'),
+               AccumMetric(f1_score, dim_argmax=-1, to_np=True, invert_arg=True, average='macro', name='f1')]
+    learn = Learner(DataLoaders(valid, valid), model, F.cross_entropy, metrics=metrics, default_cbs=False, cbs=[Recorder()])
+    _, auc, f1 = learn.validate()
+    with torch.no_grad(): probabilities = torch.softmax(model(x), dim=-1).numpy()
+    assert auc == roc_auc_score(y.numpy(), probabilities, multi_class='ovr')
+    assert f1 == f1_score(y.numpy(), probabilities.argmax(-1), average='macro')
+    per_batch = [f1_score(t.numpy(), probabilities[a:b].argmax(-1), average='macro')
+                 for (a, b), (_, t) in zip(((0, 50), (50, 57), (57, 120)), valid)]
+    assert abs(sum(f * len(t) for f, (_, t) in zip(per_batch, valid)) / 120 - f1) > 1e-3  # averaging would be wrong
+
+
+def test_accum_metric_prepares_predictions_as_fastai_does_with_zero_counting():
+    from sklearn.metrics import f1_score
+    scores, labels = torch.tensor([[-1., 0.5], [2., -3.], [0., 0.1]]), torch.tensor([[0, 1], [1, 0], [1, 1]])
+    multi_label = AccumMetric(f1_score, activation='sigmoid', thresh=0.6, flatten=False, to_np=True, invert_arg=True,
+                              average='micro')
+    assert multi_label(scores, labels) == f1_score(labels.numpy(), (torch.sigmoid(scores) >= 0.6).numpy(), average='micro')
+    kept = AccumMetric(lambda pred, targ: pred, thresh=0.)  # fastai ignores a threshold of 0 (it tests its truth)
+    assert kept(scores, scores).tolist() == (scores >= 0).reshape(-1).tolist()
+    by_column = AccumMetric(lambda pred, targ: pred, dim_argmax=0, flatten=False)  # fastai ignores dim_argmax=0 too
+    assert by_column(scores, labels).tolist() == [1, 0]
+    from sklearn.metrics import roc_auc_score
+    binary = AccumMetric(roc_auc_score, activation='binarysoftmax', to_np=True, invert_arg=True)
+    positive = torch.softmax(scores.double(), dim=-1)[:, 1].numpy()
+    assert binary(scores.double(), torch.tensor([0, 1, 1])) == roc_auc_score([0, 1, 1], positive)
+    half = AccumMetric(lambda pred, targ: pred.dtype, flatten=False)
+    half.accum_values(scores.bfloat16(), labels)  # mixed precision's outputs: func computes in float32 at least
+    assert half.value == torch.float32 and AccumMetric(rmse).value is None
+
+
+@pytest.mark.parametrize('args, error, match', [
+    (dict(func=rmse, activation='relu'), ValueError, 'activation'), (dict(func='rmse'), TypeError, 'func')])
+def test_accum_metric_refuses_bad_arguments_when_made(args, error, match):
+    with pytest.raises(error, match=match): AccumMetric(**args)
+
+
+def test_accum_metric_says_how_to_give_it_class_scores():
+    with pytest.raises(ValueError, match='dim_argmax=-1'): AccumMetric(rmse)(torch.randn(4, 3), torch.arange(4))
+
+
+@pytest.mark.parametrize('value', [0.25, 2, np.float32(0.5), np.float64(0.75), np.array(1.5), torch.tensor([3.]), True],
+                         ids=['float', 'int', 'numpy float32', 'numpy float64', '0-d array', 'tensor of one', 'bool'])
+def test_a_metric_may_return_a_python_or_numpy_number(value):
+    learn, _, _ = regression_learner([lambda pred, target: value])
+    assert learn.validate()[1] == float(value.item() if hasattr(value, 'item') else value)  # exact in float32 too
+
+
+@pytest.mark.numeric
+def test_a_metric_returning_numbers_per_batch_is_averaged_by_batch_size():
+    learn, _, _ = regression_learner([lambda pred, target: float(len(target))])
+    sizes = (32, 7, 13)
+    # float32 mean of three exact products: each operation rounds by at most 2**-24 relative
+    assert abs(learn.validate()[1] - sum(n * n for n in sizes) / sum(sizes)) < 1e-6 * 32
+
+
+@pytest.mark.parametrize('value, error, match', [([1., 2.], ValueError, 'returned 2 numbers'),
+                                                 (torch.ones(2), ValueError, 'returned 2 numbers'),
+                                                 ('high', TypeError, 'must return a number')])
+def test_a_metric_returning_anything_but_one_number_is_refused_with_its_name(value, error, match):
+    def odd_metric(pred, target): return value
+    learn, _, _ = regression_learner([odd_metric])
+    with pytest.raises(error, match=f"odd_metric.*{match}"): learn.validate()
+
+
+class ShardOnly:
+    "An accumulating metric object of one's own, without `gather`: it would see its own shard only."
+    name = 'shard_only'
+    def reset(self): self.seen = 0
+    def accumulate(self, learn): self.seen += len(learn.y)
+    @property
+    def value(self): return self.seen
+
+
+def whole_set_learner(n_valid=52, with_shard_only=False):
+    "The regression's learner on torch DataLoaders, with the RMSE and an AUC of the whole validation set."
+    from sklearn.metrics import roc_auc_score
+    learn, x, y = regression_learner([], valid_sizes=(n_valid,))
+    learn.dls = DataLoaders(DataLoader(TensorDataset(x, y), batch_size=8), DataLoader(TensorDataset(x, y), batch_size=8))
+    learn.metrics = [AccumMetric(rmse), AccumMetric(lambda p, t: roc_auc_score(t > 0, p), to_np=True, name='auc')]
+    if with_shard_only: learn.metrics.append(ShardOnly())
+    return learn
+
+
+def validate_in_a_rank(n_valid, with_shard_only):
+    learn = whole_set_learner(n_valid, with_shard_only)
+    try:
+        with learn.distributed(): return learn.validate()
+    except ValueError as e: return str(e)
+
+
+@pytest.mark.ranks
+@pytest.mark.numeric
+def test_under_two_processes_accum_metric_gathers_the_whole_set():
+    from teachloop.callback.distributed import run_ranks
+    rank0, rank1 = run_ranks(validate_in_a_rank, 52, False, world_size=2, start_method='fork', timeout=120)
+    alone = whole_set_learner().validate()
+    assert rank0 == rank1
+    # the items in another order (each rank's shard in turn): float64 sums in another order, 1e-16 an addition
+    assert abs(rank0[1] - alone[1]) < 1e-12 * alone[1] and rank0[2] == alone[2]
+
+
+@pytest.mark.ranks
+@pytest.mark.parametrize('n_valid, with_shard_only, said', [(52, True, "'shard_only' accumulates its batches but has no"),
+                                                            (1, False, 'processes [1] had no validation item')])
+def test_under_two_processes_what_cannot_see_the_whole_set_is_refused_in_every_process(n_valid, with_shard_only, said):
+    from teachloop.callback.distributed import run_ranks
+    ranks = run_ranks(validate_in_a_rank, n_valid, with_shard_only, world_size=2, start_method='fork', timeout=120)
+    assert all(isinstance(r, str) and said in r for r in ranks), ranks

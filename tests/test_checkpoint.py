@@ -241,10 +241,12 @@ class KeepWeights(Callback):
     def after_epoch(self): self.weights.append({k: v.clone() for k, v in self.model.state_dict().items()})
 
 
-def test_mode_is_required_and_checked():
-    with pytest.raises(TypeError): EarlyStopping('valid_loss')
+def test_mode_is_checked_and_a_name_that_does_not_say_it_asks_for_it():
+    "`mode='auto'` reads the monitored name (tests/test_trackers.py); a name that does not tell, or a bad mode, is refused."
     for cls in (SaveModel, EarlyStopping, ReduceLROnPlateau):
-        with pytest.raises(ValueError, match='never guessed'): cls('accuracy', 'auto', *(['x.pt'] if cls is SaveModel else []))
+        extra = {'path': 'x.pt'} if cls is SaveModel else {}
+        with pytest.raises(ValueError, match="give mode='min' or mode='max'"): cls('my_metric', **extra)
+        with pytest.raises(ValueError, match="mode must be 'min'"): cls('accuracy', 'minimum', **extra)
     learn = scripted_learner([0.] * 3)
     with pytest.raises(ValueError, match="monitor 'acc' is not recorded"): learn.fit(1, cbs=[EarlyStopping('acc', 'max')])
 

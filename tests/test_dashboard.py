@@ -278,7 +278,7 @@ def test_the_figure_names_layers_by_label_and_the_results_by_path():
 
 def test_sharpness_and_layer_panels_show_what_their_callbacks_measured(tmp_path):
     learn = digits_learner()
-    sharp, stats = Sharpness(every=7, n_iter=3), LayerStats(every=5)
+    sharp, stats = Sharpness(every=7, power_iters=3), LayerStats(every=5)
     dashboard = TrainingDashboard(refresh=0., save_path=tmp_path / 'final.png')
     learn.fit(1, cbs=[dashboard, stats, sharp])
     snapshot = dashboard.snapshot()

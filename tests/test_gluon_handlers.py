@@ -171,7 +171,7 @@ def test_checkpoint_handler_files_and_best(tmp_path):
 
 
 def test_checkpoint_handler_refuses_auto_and_best_without_monitor(tmp_path):
-    with pytest.raises(ValueError, match='never guessed'): CheckpointHandler(tmp_path, monitor=Loss(), mode='auto')
+    with pytest.raises(ValueError, match="got 'auto'"): CheckpointHandler(tmp_path, monitor=Loss(), mode='auto')
     with pytest.raises(ValueError, match='monitor'): CheckpointHandler(tmp_path, save_best=True)
 
 

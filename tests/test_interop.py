@@ -222,3 +222,153 @@ def test_freeze_is_refused_while_the_learner_trains_in_another_thread():
         learn.release(worker)
     freeze(learn)  # once the fit is over, the learner is free again
     assert not next(learn.model.parameters()).requires_grad
+
+
+# A class of torch.optim passed to the Learner as it is: `opt_func=torch.optim.AdamW`
+
+TORCH_OPTIMIZERS = sorted((cls for cls in vars(torch.optim).values() if isinstance(cls, type)
+                           and issubclass(cls, torch.optim.Optimizer) and cls is not torch.optim.Optimizer),
+                          key=lambda cls: cls.__name__)
+REFUSED = {torch.optim.LBFGS: 'closure', torch.optim.SparseAdam: 'sparse gradients'}
+
+
+def test_the_list_of_torch_optimizers_is_torchs_whole_list():
+    "The classes below are found in torch.optim, not written down: a class torch adds is tested too."
+    names = {cls.__name__ for cls in TORCH_OPTIMIZERS}
+    assert {'SGD', 'Adam', 'AdamW', 'RMSprop', 'Adagrad', 'Adadelta', 'Adamax', 'NAdam', 'RAdam', 'ASGD', 'Rprop',
+            'LBFGS', 'SparseAdam'} <= names
+
+
+def float64_batches(n_batches=3, bs=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n_batches * bs, 4, generator=generator, dtype=torch.float64)
+    y = x @ torch.tensor([[1.], [-2.], [0.5], [0.]], dtype=torch.float64) + 0.1
+    return [(x[i:i + bs], y[i:i + bs]) for i in range(0, len(x), bs)]
+
+
+def small_model(bias=True):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8, bias=bias), torch.nn.Tanh(), torch.nn.Linear(8, 1, bias=bias)).double()
+
+
+def fit_by_hand(model, opt, batches, n_epoch):
+    for _ in range(n_epoch):
+        for xb, yb in batches:
+            F.mse_loss(model(xb), yb).backward(); opt.step(); opt.zero_grad()
+
+
+@pytest.mark.parametrize('cls', [c for c in TORCH_OPTIMIZERS if c not in REFUSED], ids=lambda c: c.__name__)
+def test_every_torch_optimizer_trains_in_the_learner_as_in_a_hand_written_loop(cls):
+    "float64, same batches, same steps: the weights agree bit for bit with the torch optimizer driven by hand."
+    from teachloop.data import DataLoaders
+    batches = float64_batches()
+    model = small_model(bias=cls is not torch.optim.Muon)  # Muon takes matrices only
+    reference = copy.deepcopy(model)
+    learn = Learner(DataLoaders(batches, batches[:1]), model, F.mse_loss, opt_func=cls, lr=1e-2, default_cbs=False)
+    learn.fit(2)
+    assert isinstance(learn.opt, OptimWrapper) and type(learn.opt.opt) is cls
+    fit_by_hand(reference, cls(reference.parameters(), lr=1e-2), batches, 2)
+    assert all(torch.equal(a, b) for a, b in zip(learn.model.parameters(), reference.parameters()))
+    assert not torch.equal(next(learn.model.parameters()), next(small_model(bias=cls is not torch.optim.Muon).parameters()))
+
+
+@pytest.mark.parametrize('cls', REFUSED, ids=lambda c: c.__name__)
+def test_torch_optimizers_that_cannot_work_in_a_learner_are_refused_when_it_is_made(cls):
+    for opt_func in (cls, partial(cls, lr=0.1), partial(OptimWrapper, opt=cls)):
+        with pytest.raises(ValueError, match=f'{cls.__name__} cannot train in a Learner.*{REFUSED[cls]}'):
+            Learner(digits_dls(), digits_cnn(), F.cross_entropy, opt_func=opt_func, default_cbs=False)
+
+
+def test_a_partial_of_a_torch_optimizer_keeps_its_arguments_and_the_learners_lr_and_wd():
+    from teachloop.data import DataLoaders
+    batches = float64_batches()
+    model = small_model()
+    reference = copy.deepcopy(model)
+    learn = Learner(DataLoaders(batches, None), model, F.mse_loss, opt_func=partial(torch.optim.SGD, momentum=0.9, nesterov=True),
+                    lr=0.05, wd=0.01, default_cbs=False)
+    learn.fit(1)
+    learn.fit(1, lr=0.02)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01)
+    fit_by_hand(reference, opt, batches, 1)
+    opt.param_groups[0]['lr'] = 0.02
+    fit_by_hand(reference, opt, batches, 1)
+    assert learn.opt.hypers == [dict(lr=0.02, mom=0.9, wd=0.01)]
+    assert all(torch.equal(a, b) for a, b in zip(learn.model.parameters(), reference.parameters()))
+    with pytest.raises(TypeError, match='by name'):
+        Learner(DataLoaders(batches, None), model, F.mse_loss, opt_func=partial(torch.optim.SGD, [], 0.1))
+
+
+def test_a_torch_optimizer_class_takes_discriminative_lrs_schedules_and_freezing():
+    import teachloop.callback.schedule  # noqa: F401  (adds fit_one_cycle)
+    learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, opt_func=torch.optim.AdamW, lr=slice(1e-4, 1e-2),
+                    wd=0.1, default_cbs=False, splitter=lambda m: split_at(m, 1, -1))
+    learn.create_opt()
+    assert [g['lr'] for g in learn.opt.opt.param_groups] == pytest.approx([1e-4, 1e-3, 1e-2])
+    assert [g['weight_decay'] for g in learn.opt.opt.param_groups] == [0.1] * 3
+    seen = []
+    learn.add_cbs([type('Spy', (teachloop.callback.schedule.Callback,), {
+        'after_step': lambda self: seen.append([(g['lr'], g['betas'][0]) for g in self.opt.opt.param_groups])})()])
+    learn.freeze()
+    before = copy.deepcopy(learn.model)
+    learn.fit_one_cycle(1, lr_max=slice(1e-4, 1e-2))
+    assert max(step[2][0] for step in seen) == pytest.approx(1e-2, rel=0.05) and seen[0][2][0] < 1e-3
+    assert min(step[2][1] for step in seen) == pytest.approx(0.85, abs=0.01)
+    changed = [not torch.equal(a, b) for a, b in zip(learn.model.parameters(), before.parameters())]
+    assert changed == [False] * 6 + [True] * 2  # frozen, whatever AdamW's weight decay
+    learn.unfreeze()
+    assert all(p.requires_grad for p in learn.model.parameters())
+
+
+def test_a_torch_optimizer_class_resumes_from_a_checkpoint_bit_for_bit(tmp_path):
+    from teachloop.callback.checkpoint import Checkpoint
+    from teachloop.learner import CancelFitException, Callback
+    from teachloop.testing import digits_learner
+    class StopAfterFirstEpoch(Callback):
+        order = 80
+        def after_epoch(self): raise CancelFitException()
+    straight = digits_learner(opt_func=torch.optim.Adam, lr=3e-3)
+    straight.fit(2)
+    digits_learner(opt_func=torch.optim.Adam, lr=3e-3).fit(2, cbs=[Checkpoint(tmp_path), StopAfterFirstEpoch()])
+    resumed = digits_learner(opt_func=torch.optim.Adam, lr=3e-3)
+    resumed.fit(2, resume=tmp_path / 'latest.pt')
+    assert all(torch.equal(a, b) for a, b in zip(straight.model.parameters(), resumed.model.parameters()))
+    assert type(resumed.opt.opt) is torch.optim.Adam
+
+
+def test_freeze_methods_of_the_learner_are_the_functions():
+    learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, opt_func=torch.optim.SGD, default_cbs=False,
+                    splitter=lambda m: split_at(m, 1, -1))
+    trainable = lambda: [all(p.requires_grad for p in g) for g in learn.splitter(learn.model)]
+    learn.freeze()
+    assert trainable() == [False, False, True]
+    learn.freeze_to(1)
+    assert trainable() == [False, True, True]
+    learn.freeze_to(-3)
+    assert trainable() == [True, True, True]
+    freeze(learn); learn.unfreeze()
+    assert trainable() == [True, True, True]
+    with pytest.raises(ValueError, match='whole number'): learn.freeze_to(3.5)
+
+
+def test_a_schedule_free_optimizer_from_its_package_is_switched_between_its_points():
+    "schedulefree's AdamW, wrapped: the learner trains at its training point and ends at its evaluation point."
+    schedulefree = pytest.importorskip('schedulefree')
+    from teachloop.data import DataLoaders
+    batches = float64_batches()
+    model = small_model()
+    reference = copy.deepcopy(model)
+    learn = Learner(DataLoaders(batches, batches[:1]), model, F.mse_loss, opt_func=schedulefree.AdamWScheduleFree,
+                    lr=1e-2, default_cbs=False)
+    learn.fit(2)
+    opt = schedulefree.AdamWScheduleFree(reference.parameters(), lr=1e-2)
+    opt.train()
+    fit_by_hand(reference, opt, batches, 2)
+    opt.eval()
+    assert all(torch.equal(a, b) for a, b in zip(learn.model.parameters(), reference.parameters()))
+    plain = OptimWrapper(small_model().parameters(), torch.optim.AdamW)
+    assert plain.train is None and plain.eval is None  # no modes: the learner leaves it alone
+
+
+def test_asgds_alpha_is_not_read_as_a_moving_averages_weight():
+    wrapper = OptimWrapper(digits_cnn().parameters(), torch.optim.ASGD, lr=0.01)
+    assert 'sqr_mom' not in wrapper.names and wrapper.opt.param_groups[0]['alpha'] == 0.75

@@ -1,6 +1,7 @@
 "Event order, cancellations, callback semantics, errors and host-device syncs of the Learner."
 import copy
 from functools import partial
+import textwrap
 import warnings
 
 import pytest
@@ -336,11 +337,15 @@ def test_get_preds_and_validate_agree():
     from teachloop.callback.core import DeviceCallback
     learn.add_cbs([Recorder(), DeviceCallback()])
     learn.fit(1)
-    preds, targets = learn.get_preds()
+    preds, targets = learn.get_preds(act=lambda out: out)  # the model's outputs, as the loss saw them
     loss, acc = learn.validate()
     assert preds.shape == (len(learn.dls.valid.dataset), 10) and acc == pytest.approx(accuracy(preds, targets).item(), rel=1e-6)
     assert loss == pytest.approx(F.cross_entropy(preds, targets).item(), rel=1e-5)
-    assert learn.predict(preds.new_zeros(2, 1, 8, 8)).shape == (2, 10)
+    probs, _ = learn.get_preds()  # the default: cross_entropy's softmax
+    assert torch.equal(probs, preds.softmax(1))
+    decoded, item_probs = learn.predict(learn.dls.valid.dataset[0][0])
+    # one item alone and in a batch of 64 round differently in float32 (eps 1.2e-7): a few ulps of a probability <= 1
+    assert item_probs.shape == (10,) and torch.allclose(item_probs, probs[0], atol=1e-6) and decoded == probs[0].argmax()
 
 
 def test_error_in_a_plain_function_handler_keeps_its_type():
@@ -742,3 +747,269 @@ def test_a_batch_that_keeps_its_gradients_ends_with_them_unless_it_is_cancelled(
     else: assert all(torch.equal(g, p.grad) for g, p in zip(first, by_hand.parameters()))
     assert all(g is None for g in second) and learn.keep_grads is False  # the flag is the batch's: the next one clears
     assert all(p.grad is None for p in learn.model.parameters())  # and so does the fit's end
+
+
+# Predictions: `get_preds` and `predict` as fastai's, for outputs, inputs and targets of any shape
+
+def float64_data(n=24, n_in=3, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, n_in, generator=generator, dtype=torch.float64)
+    return x, (x[:, 0] + x[:, 1] > 0).long()
+
+
+def loaders(*tensors, bs=8):
+    "DataLoaders of `tensors` in order (no shuffling), the same data for training and validation."
+    from torch.utils.data import DataLoader, TensorDataset
+    make = lambda: DataLoader(TensorDataset(*tensors), batch_size=bs)
+    return DataLoaders(make(), make())
+
+
+def outputs_by_hand(model, *inputs):
+    model.eval()
+    with torch.no_grad(): return model(*inputs)
+
+
+LIBRARY_LOSSES = [  # (loss, targets from class labels, activation by hand, decoding by hand)
+    (F.cross_entropy, lambda y: y, lambda out: out.softmax(1), lambda p: p.argmax(1)),
+    (nn.CrossEntropyLoss(), lambda y: y, lambda out: out.softmax(1), lambda p: p.argmax(1)),
+    (partial(F.cross_entropy, label_smoothing=0.1), lambda y: y, lambda out: out.softmax(1), lambda p: p.argmax(1)),
+    (F.binary_cross_entropy_with_logits, lambda y: F.one_hot(y, 2).double(), torch.sigmoid, lambda p: p > 0.5),
+    (nn.BCEWithLogitsLoss(), lambda y: F.one_hot(y, 2).double(), torch.sigmoid, lambda p: p > 0.5),
+    (lambda out, y: F.mse_loss(out, F.one_hot(y, 2).double()), lambda y: y, lambda out: out, lambda p: p)]
+
+
+@pytest.mark.parametrize('loss_func, targets_of, activation, decoding', LIBRARY_LOSSES,
+                         ids=['cross_entropy', 'CrossEntropyLoss', 'partial', 'bce_with_logits', 'BCEWithLogitsLoss', 'other'])
+def test_get_preds_gives_the_losses_probabilities_and_decodes_them(loss_func, targets_of, activation, decoding):
+    x, labels = float64_data()
+    y = targets_of(labels)
+    learn = Learner(loaders(x, y), nn.Linear(3, 2).double(), loss_func, opt_func=SGD, lr=0.1, default_cbs=False)
+    learn.fit(2)
+    out = outputs_by_hand(learn.model, x)
+    inputs, preds, targets, decoded = learn.get_preds(with_input=True, with_decoded=True)
+    assert torch.equal(inputs, x) and torch.equal(targets, y)
+    assert torch.allclose(preds, activation(out), rtol=0, atol=1e-15) and torch.equal(decoded, decoding(preds))
+    raw, _ = learn.get_preds(act=lambda out: out)
+    assert torch.equal(raw, out)
+
+
+def test_cross_entropys_classes_are_in_dimension_1_as_torch_takes_them():
+    "A sequence model's output (batch, classes, length): the probabilities are those whose log the loss averages."
+    torch.manual_seed(0)
+    x = torch.randn(8, 3, 5, dtype=torch.float64)
+    y = torch.randint(0, 4, (8, 5))
+    model = nn.Conv1d(3, 4, 1).double()
+    learn = Learner(loaders(x, y, bs=4), model, F.cross_entropy, opt_func=SGD, lr=0.1, default_cbs=False)
+    probs, targets, classes = learn.get_preds(with_decoded=True)
+    assert probs.shape == (8, 4, 5) and torch.allclose(probs.sum(1), torch.ones(8, 5, dtype=torch.float64))
+    assert F.nll_loss(probs.log(), targets).item() == pytest.approx(F.cross_entropy(outputs_by_hand(model, x), y).item(), rel=1e-12)
+    assert torch.equal(classes, probs.argmax(1))
+
+
+def test_a_loss_with_fastais_activation_and_decodes_is_read_as_fastai_reads_it():
+    class HalfLoss:
+        def __call__(self, out, y): return F.mse_loss(out, y)
+        def activation(self, out): return out / 2
+        def decodes(self, probs): return probs.round()
+    x = torch.randn(8, 2, dtype=torch.float64)
+    learn = Learner(loaders(x, x.sum(1, keepdim=True)), nn.Linear(2, 1).double(), HalfLoss(), opt_func=SGD, default_cbs=False)
+    preds, _, decoded = learn.get_preds(with_decoded=True)
+    assert torch.equal(preds, outputs_by_hand(learn.model, x) / 2) and torch.equal(decoded, preds.round())
+
+
+class TupleAndDict(nn.Module):
+    "Outputs nested as a user's model may give them: a tuple holding a tensor and a dict."
+    def __init__(self):
+        super().__init__()
+        self.scores, self.value = nn.Linear(3, 2), nn.Linear(3, 1)
+    def forward(self, x): return self.scores(x), {'value': self.value(x)[:, 0], 'both': (x[:, :1], x[:, 1:])}
+
+
+def nested_loss(out, label, value): return F.cross_entropy(out[0], label) + F.mse_loss(out[1]['value'], value)
+
+
+def test_nested_outputs_and_several_targets_are_joined_in_their_shape():
+    x, labels = float64_data()
+    values = x[:, 2]
+    learn = Learner(loaders(x, labels, values), TupleAndDict().double(), nested_loss, opt_func=SGD, lr=0.1,
+                    default_cbs=False, n_inp=1)
+    learn.fit(1)
+    (scores, rest), (label, value) = learn.get_preds()
+    by_hand = outputs_by_hand(learn.model, x)
+    assert torch.equal(scores, by_hand[0]) and torch.equal(rest['value'], by_hand[1]['value'])
+    assert torch.equal(rest['both'][0], x[:, :1]) and torch.equal(rest['both'][1], x[:, 1:])
+    assert torch.equal(label, labels) and torch.equal(value, values)
+    decoded, item = learn.predict(x[5])
+    assert torch.equal(item[0], by_hand[0][5]) and torch.equal(item[1]['value'], by_hand[1]['value'][5])
+
+
+def test_unlabelled_loaders_give_the_same_predictions_and_no_targets():
+    from torch.utils.data import DataLoader, TensorDataset
+    x, labels = float64_data()
+    learn = quiet(Learner(loaders(x, labels), nn.Linear(3, 2).double(), F.cross_entropy, opt_func=SGD, lr=0.1,
+                          metrics=[accuracy]))  # the default callbacks too: the Recorder sees batches with no loss
+    learn.fit(1)
+    probs, targets = learn.get_preds()
+    for unlabelled in (DataLoader(TensorDataset(x), batch_size=5), DataLoader(x, batch_size=5)):  # [x] and bare x
+        events = EventLog()
+        with learn.added_cbs([events]):
+            inputs, found, none, decoded = learn.get_preds(dl=unlabelled, with_input=True, with_decoded=True)
+        assert torch.equal(found, probs) and none is None and torch.equal(inputs, x) and torch.equal(decoded, probs.argmax(1))
+        assert 'after_loss' not in events.events and events.events.count('after_pred') == 5
+
+
+def test_a_training_batch_without_targets_is_refused_before_any_step():
+    x, _ = float64_data()
+    learn = Learner(DataLoaders([(x,)], None), nn.Linear(3, 2).double(), F.cross_entropy, opt_func=SGD, default_cbs=False)
+    before = copy.deepcopy(learn.model.state_dict())
+    with pytest.raises(TypeError, match='a training batch needs targets.*can be predicted'): learn.fit(1)
+    assert all(torch.equal(before[k], v) for k, v in learn.model.state_dict().items())
+    with pytest.raises(TypeError, match='cannot hold the model.s 2 inputs'):
+        Learner(DataLoaders([(x,)], None), nn.Linear(3, 2), F.cross_entropy, n_inp=2, default_cbs=False).fit(1)
+
+
+def test_predictions_are_float32_under_mixed_precision():
+    from teachloop.callback.core import MixedPrecision
+    torch.manual_seed(0)
+    x, labels = float64_data()
+    x = x.float()
+    learn = Learner(loaders(x, labels), nn.Linear(3, 2), F.cross_entropy, opt_func=SGD, default_cbs=False,
+                    cbs=[MixedPrecision(torch.bfloat16)])
+    learn.fit(1)
+    inputs, probs, targets, classes = learn.get_preds(with_input=True, with_decoded=True)
+    assert probs.dtype == torch.float32 and inputs.dtype == torch.float32 and targets.dtype == torch.int64
+    with torch.autocast('cpu', dtype=torch.bfloat16): out = outputs_by_hand(learn.model, x)
+    assert out.dtype == torch.bfloat16  # what the model gave: get_preds made it float32 before the softmax
+    assert torch.equal(probs, out.float().softmax(1)) and torch.equal(classes, probs.argmax(1))
+    decoded, item_probs = learn.predict(x[0])
+    assert item_probs.dtype == torch.float32
+
+
+def test_predict_takes_one_item_of_any_number_of_inputs():
+    class Sum(nn.Module):
+        def __init__(self): super().__init__(); self.a, self.b = nn.Linear(2, 3), nn.Linear(1, 3)
+        def forward(self, x1, x2): return self.a(x1) + self.b(x2)
+    x, labels = float64_data()
+    x1, x2 = x[:, :2], x[:, 2:]
+    for n_inp in (None, 2):
+        learn = Learner(loaders(x1, x2, labels), Sum().double(), F.cross_entropy, opt_func=SGD, default_cbs=False, n_inp=n_inp)
+        probs, _, classes = learn.get_preds(with_decoded=True)
+        decoded, item_probs = learn.predict((x1[3], x2[3]))
+        assert torch.allclose(item_probs, probs[3], rtol=0, atol=1e-15) and decoded == classes[3]
+    decoded, item_probs = learn.predict((x1[3], x2[3], labels[3]))  # with n_inp, a data set's item: the target is left out
+    assert torch.allclose(item_probs, probs[3], rtol=0, atol=1e-15)
+    with pytest.raises(ValueError, match='1 part.*takes 2 inputs'): learn.predict((x1[3],))
+
+
+def test_n_inp_splits_the_batch_between_the_model_and_the_loss():
+    "A batch (x1, x2, y) calls model(x1, x2); (x, y1, y2) with n_inp=1 calls loss(pred, y1, y2): against a hand loop."
+    x, labels = float64_data()
+    values = x[:, 2]
+    torch.manual_seed(0)
+    model = TupleAndDict().double()
+    reference = copy.deepcopy(model)
+    seen = []
+    def loss(out, label, value):
+        seen.append((label, value))
+        return nested_loss(out, label, value)
+    learn = Learner(DataLoaders([(x[:12], labels[:12], values[:12]), (x[12:], labels[12:], values[12:])], None), model,
+                    loss, opt_func=SGD, lr=0.1, default_cbs=False, n_inp=1)
+    learn.fit(2)
+    opt = SGD(reference.parameters(), lr=0.1)
+    for _ in range(2):
+        for a, b in ((0, 12), (12, 24)):
+            nested_loss(reference(x[a:b]), labels[a:b], values[a:b]).backward(); opt.step(); opt.zero_grad()
+    assert all(torch.equal(p, q) for p, q in zip(learn.model.parameters(), reference.parameters()))
+    assert torch.equal(seen[1][0], labels[12:]) and torch.equal(seen[1][1], values[12:])
+    for bad in (0, True, 1.5, '1'):
+        with pytest.raises(ValueError, match='n_inp must be a whole number'):
+            Learner(tiny_dls(), nn.Linear(2, 1), F.mse_loss, n_inp=bad)
+
+
+def test_a_dict_batch_is_refused_with_the_collate_fn_that_makes_it_a_tuple():
+    "The error shows a collate_fn with the batch's own keys; that function, run as shown, makes batches that train."
+    from torch.utils.data import DataLoader
+    x, labels = float64_data()
+    items = [{'labels': labels[i], 'pixels': x[i], 'mask': x[i] > 0} for i in range(len(x))]
+    class Masked(nn.Linear):
+        def forward(self, x, mask): return super().forward(x * mask)
+    learn = Learner(DataLoaders(DataLoader(items, batch_size=8), None), Masked(3, 2).double(), F.cross_entropy,
+                    opt_func=SGD, default_cbs=False)
+    before = copy.deepcopy(learn.model.state_dict())
+    with pytest.raises(TypeError, match="got a dict with the keys \\['labels', 'pixels', 'mask'\\]") as info: learn.fit(1)
+    assert all(torch.equal(before[k], v) for k, v in learn.model.state_dict().items())
+    code = str(info.value).split('\n\n')[1]
+    assert code.splitlines()[0].strip() == 'def as_tuple(items):' and len(code.splitlines()) == 3
+    assert "return batch['pixels'], batch['mask'], batch['labels']" in code
+    namespace = {'torch': torch}
+    exec(textwrap.dedent(code), namespace)  # the function as the message shows it
+    learn.dls = DataLoaders(DataLoader(items, batch_size=8, collate_fn=namespace['as_tuple']), None)
+    learn.fit(1)
+    assert not all(torch.equal(before[k], v) for k, v in learn.model.state_dict().items())
+
+
+def test_get_preds_of_an_empty_loader_or_without_a_validation_set_is_a_clear_error():
+    learn = tiny_learner(dls=tiny_dls(valid=False))
+    with pytest.raises(ValueError, match='no validation set'): learn.get_preds()
+    with pytest.raises(ValueError, match='no batches to predict on'): learn.get_preds(dl=[])
+
+
+# Under torchrun (WORLD_SIZE > 1), a fit outside `learn.distributed()` trains each process on all the data
+
+def fit_and_catch(learn, n_fits=2):
+    "The warnings of `n_fits` fits, and how many had been given when each fit's first batch started."
+    at_first_batch = []
+    class Note(Callback):
+        def before_batch(self):
+            if self.iter == 0 and self.training: at_first_batch.append(len(caught))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        for _ in range(n_fits): learn.fit(1, cbs=[Note()])
+    return [str(w.message) for w in caught if 'WORLD_SIZE' in str(w.message)], at_first_batch
+
+
+def test_a_fit_under_torchrun_outside_distributed_warns_once_in_rank_0_before_it_trains(monkeypatch):
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    monkeypatch.setenv('RANK', '0')
+    found, at_first_batch = fit_and_catch(tiny_learner())
+    assert len(found) == 1 and at_first_batch == [1, 1]
+    assert 'WORLD_SIZE is 2' in found[0] and 'with learn.distributed(): learn.fit(' in found[0]
+    monkeypatch.setenv('RANK', '1')
+    assert fit_and_catch(tiny_learner())[0] == []  # the other ranks stay quiet
+
+
+@pytest.mark.parametrize('world', [None, '1', 'x'])
+def test_alone_there_is_no_warning(monkeypatch, world):
+    if world is None: monkeypatch.delenv('WORLD_SIZE', raising=False)
+    else: monkeypatch.setenv('WORLD_SIZE', world)
+    monkeypatch.delenv('RANK', raising=False)
+    assert fit_and_catch(tiny_learner())[0] == []
+
+
+def test_a_sharded_training_loader_is_not_warned_about(monkeypatch):
+    "The loaders `learn.distributed()` gives each process (and a user's own DistributedSampler) share the data out."
+    from torch.utils.data import DataLoader, TensorDataset
+    from teachloop.callback.distributed import shard_dls
+    monkeypatch.setenv('WORLD_SIZE', '2')
+    monkeypatch.setenv('RANK', '0')
+    x, y = regression_2d(n=16)
+    plain = DataLoaders(DataLoader(TensorDataset(x, y), batch_size=4), None)
+    assert fit_and_catch(tiny_learner(dls=shard_dls(plain, rank=0, world_size=2)))[0] == []
+    assert len(fit_and_catch(tiny_learner(dls=plain))[0]) == 1
+
+
+def test_a_compiled_models_weights_load_into_the_plain_model_and_back(tmp_path):
+    compiled = digits_learner()
+    compiled.fit(1)
+    compiled.model = torch.compile(compiled.model)  # never called: no compiler needed, only the names change
+    assert all(k.startswith('_orig_mod.') for k in compiled.model.state_dict())
+    compiled.save(tmp_path / 'compiled.pt')
+    plain = digits_learner(seed=1).load(tmp_path / 'compiled.pt')
+    expected = compiled.model._orig_mod.state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in plain.model.state_dict().items())
+    again = digits_learner(seed=2)
+    again.model = torch.compile(again.model)
+    again.load(tmp_path / 'compiled.pt')
+    plain.save(tmp_path / 'plain.pt')
+    again.load(tmp_path / 'plain.pt')  # plain -> compiled
+    assert all(torch.equal(v, expected[k.replace('_orig_mod.', '')]) for k, v in again.model.state_dict().items())

@@ -259,7 +259,7 @@ def test_sync_free_check_never_makes_the_host_wait_on_the_gpu(tmp_path):
     torch.manual_seed(0)
     learn = quiet(Learner(digits_dls(bs=32), dropout_model(), F.cross_entropy, cbs=[Strict(tmp_path / 'nan.pt', check_every=2)]))
     learn.fit(2)
-    assert learn.nan_capture._async_check is not None and learn.nan_capture.captured is None
+    assert learn.nan_capture._deferred_check is not None and learn.nan_capture.captured is None
     learn = quiet(Learner(digits_dls(bs=32), dropout_model(), F.cross_entropy,
                           cbs=[NaNCapture(tmp_path / 'nan.pt', check_every=2), NaNGradientAt(4)]))
     learn.fit(1)

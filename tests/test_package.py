@@ -19,10 +19,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
 
-# import names of the packages in `[dev]` and `[vision]` that teachloop's modules might reach for (sphinx is left
-# out: scipy, which scikit-learn imports, looks for it and does without)
+# import names of the packages in `[dev]`, `[vision]` and `[tensorboard]` that teachloop's modules might reach for
+# (sphinx is left out: scipy, which scikit-learn imports, looks for it and does without)
 NOT_INSTALLED = ['nbdev', 'nbconvert', 'ipykernel', 'jupyterlab', 'playwright', 'hypothesis', 'myst_nb', 'jupyter_cache',
-                 'schedulefree', 'pytorch_optimizer', 'timm', 'xdist', 'pytest', 'torchvision']
+                 'schedulefree', 'pytorch_optimizer', 'timm', 'xdist', 'pytest', 'torchvision',
+                 'tensorboard']
 
 # `None` in sys.modules makes an import of the name fail as a missing package does (and find_spec answer None)
 BLOCKER = 'import sys\nsys.modules.update(dict.fromkeys({names!r}))\n'
@@ -91,3 +92,9 @@ def test_mnist_without_torchvision_names_the_extra(installed):
     python, work = installed
     result = run(python, work, "from teachloop.data import mnist_dls\nmnist_dls()\n")
     assert result.returncode != 0 and "pip install 'teachloop[vision]'" in result.stderr
+
+
+def test_tensorboard_logger_without_tensorboard_names_the_extra(installed):
+    python, work = installed
+    result = run(python, work, "from teachloop.callback.loggers import TensorBoardLogger\nTensorBoardLogger()\n")
+    assert result.returncode != 0 and "pip install 'teachloop[tensorboard]'" in result.stderr

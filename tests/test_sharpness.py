@@ -48,7 +48,7 @@ def test_top_eigenvalue_equals_the_exact_hessians(seed):
     model, x, y = small_problem(seed)
     params = list(model.parameters())
     estimate, vector = top_eigenvalue(hessian_vector_product(F.mse_loss(model(x), y), params),
-                                      [torch.randn_like(p) for p in params], n_iter=300)
+                                      [torch.randn_like(p) for p in params], power_iters=300)
     H = exact_hessian(model, F.mse_loss, x, y)
     assert estimate == pytest.approx(top_by_size(H), rel=RTOL)
     flat = torch.cat([v.flatten() for v in vector])
@@ -60,7 +60,7 @@ def test_preconditioned_eigenvalue_is_that_of_the_scaled_hessian():
     params = list(model.parameters())
     scale = [torch.rand_like(p) + 0.1 for p in params]
     estimate, _ = top_eigenvalue(hessian_vector_product(F.mse_loss(model(x), y), params),
-                                 [torch.randn_like(p) for p in params], n_iter=300, scale=scale)
+                                 [torch.randn_like(p) for p in params], power_iters=300, scale=scale)
     D = torch.diag(torch.cat([s.flatten() for s in scale]))
     assert estimate == pytest.approx(top_by_size(D @ exact_hessian(model, F.mse_loss, x, y) @ D), rel=RTOL)
 
@@ -109,7 +109,7 @@ def test_estimates_leave_the_fit_unchanged():
 
 def test_estimates_at_ticks_on_the_fixed_batch_match_the_exact_hessian():
     model, x, y = small_problem(4)
-    sharp = Sharpness(every=4, n_iter=300, batch=(x, y))
+    sharp = Sharpness(every=4, power_iters=300, batch=(x, y))
     learn = regression_learner(model, [sharp], n_batches=4)
     learn.fit(3)
     assert sharp.steps == [4, 8, 12]
@@ -125,7 +125,7 @@ class HyperLog(Callback):
 
 def test_the_line_follows_the_schedule_and_adams_dampened_momentum():
     model, x, y = small_problem(5)
-    sharp, log = Sharpness(every=3, n_iter=5, preconditioned=True), HyperLog()
+    sharp, log = Sharpness(every=3, power_iters=5, preconditioned=True), HyperLog()
     regression_learner(model, [sharp, log], lr=1e-2, opt_func=Adam).fit_one_cycle(2)
     assert sharp.steps == [3, 6, 9, 12]
     expected = [stability_threshold(*log.hypers[step - 1], dampening=True) for step in sharp.steps]
@@ -134,7 +134,7 @@ def test_the_line_follows_the_schedule_and_adams_dampened_momentum():
 
 def test_estimates_kept_are_bounded():
     model, x, y = small_problem(8)
-    sharp = Sharpness(every=1, n_iter=2, max_points=4)
+    sharp = Sharpness(every=1, power_iters=2, max_points=4)
     regression_learner(model, [sharp], n_batches=10).fit(1)
     assert 3 <= len(sharp.steps) <= 4 and sharp.steps[-1] <= 10 and sharp.steps == sorted(sharp.steps)
     assert len(sharp.sharpness) == len(sharp.thresholds) == len(sharp.steps)
@@ -144,7 +144,7 @@ def test_adaptive_optimizers_are_preconditioned_unless_told():
     model, x, y = small_problem(7)
     picks = {}
     for name, opt_func, preconditioned in [('sgd', SGD, None), ('adam', Adam, None), ('adam raw', Adam, False)]:
-        sharp = Sharpness(every=2, n_iter=3, preconditioned=preconditioned)
+        sharp = Sharpness(every=2, power_iters=3, preconditioned=preconditioned)
         regression_learner(copy.deepcopy(model), [sharp], lr=1e-2, opt_func=opt_func, n_batches=2).fit(1)
         picks[name] = sharp._preconditioned
     assert picks == {'sgd': False, 'adam': True, 'adam raw': False}
@@ -158,7 +158,7 @@ def test_an_unused_parameter_does_not_stop_an_estimate(preconditioned):
     class Net(nn.Module):
         def __init__(self): super().__init__(); self.parts = holder
         def forward(self, xb): return self.parts['net'](xb)
-    sharp = Sharpness(every=2, n_iter=300, preconditioned=preconditioned)
+    sharp = Sharpness(every=2, power_iters=300, preconditioned=preconditioned)
     learn = regression_learner(Net(), [sharp], lr=1e-2, opt_func=Adam, n_batches=4)
     learn.fit(1)
     if not preconditioned:  # zero rows and columns for the unused layer: the used part's top eigenvalue
@@ -167,7 +167,7 @@ def test_an_unused_parameter_does_not_stop_an_estimate(preconditioned):
 
 
 def test_bad_arguments_are_refused_before_the_fit():
-    for bad in ({'every': 0}, {'n_iter': 1.5}):
+    for bad in ({'every': 0}, {'power_iters': 1.5}):
         with pytest.raises(ValueError, match=next(iter(bad))): Sharpness(**bad)
     model, x, y = small_problem(6)
     start = copy.deepcopy(model.state_dict())
@@ -189,6 +189,6 @@ def test_no_host_reads_between_ticks(host_reads):
     class Probe(Callback):
         order = 100
         def after_batch(self): per_batch.append(len(reads))
-    regression_learner(small_problem(9)[0], [Sharpness(every=4, n_iter=3), Probe()], n_batches=8).fit(1)
+    regression_learner(small_problem(9)[0], [Sharpness(every=4, power_iters=3), Probe()], n_batches=8).fit(1)
     new_reads = [b - a for a, b in zip([0] + per_batch, per_batch)]
     assert [i for i, n in enumerate(new_reads) if n] == [3, 7], new_reads  # the host waits at ticks only

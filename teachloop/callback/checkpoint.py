@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from fastcore.basics import patch
 
-from ..core import (atomic_save, check_count, check_mode, check_save_folder, check_save_path, process_rank,
+from ..core import (atomic_save, check_count, check_save_folder, check_save_path, process_rank,
                             written_by_rank_zero)
 from ..learner import (Callback, CancelFitException, Learner, check_state_matches, optimizer_with_state,
                                restore_training_state)

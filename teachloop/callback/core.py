@@ -15,7 +15,7 @@ from functools import partial
 
 import torch
 
-from ..core import check_count, default_device, several_processes, to_device
+from ..core import check_count, default_device, process_count, process_rank, several_processes, to_device
 from fastcore.basics import patch
 
 from ..learner import Callback, add_default_callbacks
@@ -23,8 +23,9 @@ from ..random_state import loader_generators, rng_states, set_rng_states
 from ..optim.core import Optimizer
 
 # %% auto #0
-__all__ = ['state_to_params_devices', 'DeviceCallback', 'accuracy', 'smooth_values', 'hypers_read', 'Recorder',
-           'smoothing_window', 'format_row', 'ProgressCallback', 'MixedPrecision', 'StepUndo', 'GradientAccumulation']
+__all__ = ['state_to_params_devices', 'DeviceCallback', 'accuracy', 'AccumMetric', 'accumulates', 'smooth_values', 'hypers_read',
+           'Recorder', 'smoothing_window', 'format_row', 'ProgressCallback', 'MixedPrecision', 'StepUndo',
+           'GradientAccumulation']
 
 # %% ../../nbs/05_callbacks.ipynb #c004
 def state_to_params_devices(opt):
@@ -54,6 +55,97 @@ def accuracy(pred, target):
     "Share of rows of `pred` whose arg-max is `target`."
     return (pred.argmax(dim=-1) == target).float().mean()
 
+# %% ../../nbs/05_callbacks.ipynb #am02
+class AccumMetric:
+    "A metric of the whole validation set: keep every batch's predictions and targets, compute `func` once at the end."
+    def __init__(self,
+                 func,  # `func(pred, target)` -> a number, over the whole set
+                 dim_argmax=None,  # the arg-max of the predictions over this dimension (scores -> classes)
+                 activation=None,  # first 'softmax', 'sigmoid' or 'binarysoftmax' (the softmax's last column)
+                 thresh=None,  # then `pred >= thresh` (multi-label classification)
+                 to_np=False,  # give `func` numpy arrays (scikit-learn's metrics)
+                 invert_arg=False,  # call `func(target, pred)`, scikit-learn's order
+                 flatten=True,  # flatten both (a regression's (n, 1) output against (n,) targets)
+                 name=None,  # its column in the Recorder's table (default: `func`'s name)
+                 **kwargs,  # more arguments for `func` (scikit-learn's `average='macro'`, ...)
+                ):
+        _check_accum_args(func, activation)  # below
+        self.func, self.dim_argmax, self.activation, self.thresh = func, dim_argmax, activation, thresh
+        self.to_np, self.invert_arg, self.flatten, self.kwargs = to_np, invert_arg, flatten, kwargs
+        self.name = name or _metric_name(func)
+        self.reset()
+    def reset(self): self.preds, self.targs = [], []  # forget the batches kept
+    def accumulate(self, learn): self.accum_values(learn.pred, learn.y)
+
+    def accum_values(self, pred, targ):
+        "Keep a batch's predictions (prepared as the arguments say) and its targets, on their device."
+        pred, targ = self._prepared(pred.detach()), targ.detach()
+        if self.flatten: pred, targ = _flattened(pred, targ, self.name)
+        self.preds.append(pred)
+        self.targs.append(targ)
+
+    @property
+    def value(self):
+        "`func` over every batch kept (None when there is none)."
+        if not self.preds: return None
+        pred, targ = torch.cat(self.preds), torch.cat(self.targs)
+        if self.to_np: pred, targ = pred.cpu().numpy(), targ.cpu().numpy()
+        return self.func(targ, pred, **self.kwargs) if self.invert_arg else self.func(pred, targ, **self.kwargs)
+    def __call__(self, pred, targ):  # on one batch (or a whole set) at once, as fastai's does
+        self.reset()
+        self.accum_values(pred, targ)
+        return self.value
+
+# %% ../../nbs/05_callbacks.ipynb #am04
+@patch
+def _prepared(self:AccumMetric, pred):
+    "The batch's predictions as `func` takes them: at least float32, then activated, or arg-maxed; then thresholded."
+    if pred.dtype in (torch.float16, torch.bfloat16): pred = pred.float()
+    if self.activation in ('softmax', 'binarysoftmax'):
+        pred = torch.softmax(pred, dim=-1 if self.dim_argmax is None else self.dim_argmax)
+        if self.activation == 'binarysoftmax': pred = pred[:, -1]
+    elif self.activation == 'sigmoid': pred = torch.sigmoid(pred)
+    elif self.dim_argmax is not None: pred = pred.argmax(dim=self.dim_argmax)
+    if self.thresh is not None: pred = pred >= self.thresh
+    return pred
+
+def _flattened(pred, targ, name):
+    "`pred` and `targ` as 1-d tensors, or an error when they hold different numbers of items."
+    if pred.numel() != targ.numel():
+        raise ValueError(f"AccumMetric {name!r}: the predictions (shape {tuple(pred.shape)}) and the targets (shape "
+                         f"{tuple(targ.shape)}) flatten to different lengths; for class scores give dim_argmax=-1 "
+                         "(or an activation and flatten=False, as for a multi-class AUC)")
+    return pred.reshape(-1), targ.reshape(-1)
+
+def _metric_name(metric):
+    "A metric's column name: its `name` (an AccumMetric's), its function's `__name__` (a partial's too), or its type's."
+    if isinstance(getattr(metric, 'name', None), str): return metric.name
+    return getattr(metric, '__name__', None) or getattr(getattr(metric, 'func', None), '__name__', type(metric).__name__)
+
+def accumulates(metric):
+    "Whether the Recorder gives `metric` the whole set (it has `accumulate`, as an `AccumMetric`) rather than averaging it."
+    return callable(getattr(metric, 'accumulate', None))
+
+_ACTIVATIONS = (None, 'no', 'softmax', 'sigmoid', 'binarysoftmax')  # fastai's ActivationType values, and None
+
+def _check_accum_args(func, activation):
+    if not callable(func): raise TypeError(f"AccumMetric: func must be a function f(pred, target), got {func!r}")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"AccumMetric: activation must be one of {_ACTIVATIONS}, got {activation!r}")
+
+# %% ../../nbs/05_callbacks.ipynb #um05
+def _metric_tensor(value, metric):
+    "`value`, which `metric` gave, as a 0-d tensor: a tensor of one element, or a Python or numpy number (float64)."
+    if not torch.is_tensor(value):
+        try: value = torch.tensor(value, dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"metric {_metric_name(metric)!r} returned {value!r}: a metric must return a number (a "
+                            "tensor of one element, or a Python or numpy number)") from e
+    if value.numel() != 1:
+        raise ValueError(f"metric {_metric_name(metric)!r} returned {value.numel()} numbers (shape "
+                         f"{tuple(value.shape)}): a metric must return one number, e.g. a mean")
+    return value.reshape(())
+
 # %% ../../nbs/05_callbacks.ipynb #c010
 def smooth_values(values, beta=0.98):
     "Debiased exponentially weighted moving average of `values`, as a list."
@@ -75,9 +167,6 @@ def _weighted_mean(values, weights):
     stacked = _stack(values).float()
     w = torch.tensor(weights, dtype=torch.float32, device=stacked.device)
     return (stacked * w).sum() / w.sum()
-
-def _metric_name(metric):
-    return getattr(metric, '__name__', None) or getattr(getattr(metric, 'func', None), '__name__', type(metric).__name__)
 
 def _hyper_values(opt):
     "The numeric hyper-parameters of the optimizer's last group."
@@ -115,7 +204,7 @@ class Recorder(Callback):
         self._loss_chunks, self._epoch_losses, self._epoch_sizes = [], [], []
         self.hps, self.values, self.last_valid = defaultdict(list), [], []
         self._start_epoch_row()
-        self._valid_losses, self._valid_sizes, self._valid_metrics = [], [], []
+        self._start_valid(())
 
     def after_batch(self):
         learn = self.learn  # read directly: this runs every batch
@@ -128,7 +217,8 @@ class Recorder(Callback):
         else:
             self._valid_losses.append(learn.loss)
             self._valid_sizes.append(size)
-            self._valid_metrics.append([m(learn.pred, learn.y) for m in learn.metrics])
+            self._valid_metrics.append([m(learn.pred, learn.y) for m in self._averaged])
+            for m in self._accumulated: m.accumulate(learn)
 
     @property
     def losses(self):
@@ -140,8 +230,6 @@ class Recorder(Callback):
     def smooth_losses(self):
         "Debiased moving average of the batch losses."
         return smooth_values(self.losses, self.beta)
-    @property
-    def lrs(self): return self.hps['lr']
 
 # %% ../../nbs/05_callbacks.ipynb #r02
 @patch
@@ -183,17 +271,34 @@ def metric_names(self:Recorder):
     return ['epoch', 'train_loss', 'valid_loss'] + [_metric_name(m) for m in self.learn.metrics] + ['time']
 
 @patch
-def before_validate(self:Recorder): self._valid_losses, self._valid_sizes, self._valid_metrics = [], [], []
+def before_validate(self:Recorder): self._start_valid(self.learn.metrics)
+
+@patch
+def _start_valid(self:Recorder, metrics):
+    "Begin a validation: plain metrics are averaged over its batches, accumulating ones see them all."
+    self._valid_losses, self._valid_sizes, self._valid_metrics = [], [], []
+    self._averaged = [m for m in metrics if not accumulates(m)]
+    self._accumulated = [m for m in metrics if accumulates(m)]
+    for m in self._accumulated: m.reset()
 
 @patch
 def after_validate(self:Recorder):
-    per_metric = list(zip(*self._valid_metrics)) or [[] for _ in self.learn.metrics]
-    if self.learn.processes.several: values = self._means_over_processes([self._valid_losses, *per_metric])
-    else:
-        values = [_weighted_mean(self._valid_losses, self._valid_sizes)]
-        values += [_weighted_mean(list(m), self._valid_sizes) for m in per_metric]
+    per_metric = list(zip(*self._valid_metrics)) or [[] for _ in self._averaged]
+    columns = [self._valid_losses] + [[_metric_tensor(v, m) for v in c] for m, c in zip(self._averaged, per_metric)]
+    if self.learn.processes.several: means = self._means_over_processes(columns)
+    else: means = [_weighted_mean(list(c), self._valid_sizes) for c in columns]
+    averaged = iter(means[1:])
+    values = [means[0]] + [self._whole_set_value(m) if accumulates(m) else next(averaged) for m in self.learn.metrics]
     self.last_valid = self._valid_row = _stack(values).tolist()
-    self._valid_losses, self._valid_sizes, self._valid_metrics = [], [], []
+    self._start_valid(())
+
+@patch
+def _whole_set_value(self:Recorder, metric):
+    "An accumulating metric's value over the whole validation set, as a 0-d tensor (nan without batches); its batches go."
+    if self.learn.processes.several: _gather_whole_set(metric, self.learn.processes)  # under the hood
+    value = metric.value
+    metric.reset()
+    return torch.tensor(float('nan')) if value is None else _metric_tensor(value, metric)
 
 # %% ../../nbs/05_callbacks.ipynb #c016
 def smoothing_window(n_batches, beta=0.98):
@@ -222,6 +327,9 @@ def plot_loss(self:Recorder,
     if path is not None: ax.figure.savefig(path, dpi=100)
     return ax
 
+@patch(as_prop=True)
+def lrs(self:Recorder): return self.hps['lr']
+
 @patch
 def plot_sched(self:Recorder, keys=('lr', 'mom'), axs=None):
     "Plot the recorded hyper-parameters `keys` per training batch."
@@ -231,7 +339,6 @@ def plot_sched(self:Recorder, keys=('lr', 'mom'), axs=None):
     for ax, key in zip(list(getattr(axs, 'flat', axs)), keys):
         ax.plot(self.hps[key]); ax.set(xlabel='training batch', title=key)
     return axs
-
 
 # %% ../../nbs/05_callbacks.ipynb #c018f
 def format_row(row, widths):
@@ -510,6 +617,37 @@ def load_state_dict(self:Recorder, state):
 def load_epoch_in_progress(self:Recorder, state):
     "Take the losses of the epoch in progress that `state_dict` saved (a fit resumed mid-epoch)."
     self._epoch_losses, self._epoch_sizes = list(state['epoch_losses'].unbind()), list(state['epoch_sizes'])
+
+# %% ../../nbs/05_callbacks.ipynb #um03
+def _rows_of_every_process(tensor, processes, name):
+    "Every process's `tensor` one after the other, in rank order, in each process: two sums over `processes`."
+    rank, count = process_rank(), process_count()
+    header = torch.zeros(count, 2, dtype=torch.float64)  # each process's items, and numbers per item
+    header[rank] = torch.tensor([len(tensor), tensor[0].numel() if len(tensor) else 0])
+    sizes, widths = processes.sum(header).long().T.tolist()
+    if 0 in sizes:
+        raise ValueError(f"AccumMetric {name!r}: processes {[r for r, n in enumerate(sizes) if n == 0]} had no "
+                         "validation item (a validation set with fewer items than processes)")
+    if len(set(widths)) > 1:
+        raise ValueError(f"AccumMetric {name!r}: the processes' items have different sizes {widths}")
+    whole = torch.zeros(sum(sizes), widths[0], dtype=torch.float64)
+    start = sum(sizes[:rank])
+    whole[start:start + len(tensor)] = tensor.reshape(len(tensor), -1).double().cpu()
+    return processes.sum(whole).reshape(-1, *tensor.shape[1:]).to(device=tensor.device, dtype=tensor.dtype)
+
+@patch
+def gather(self:AccumMetric, processes):
+    "Put the batches of every process (`learn.processes`) in place of this one's: `value` is then the whole set's."
+    pred, targ = (torch.cat(kept) if kept else torch.zeros(0) for kept in (self.preds, self.targs))
+    self.preds = [_rows_of_every_process(pred, processes, self.name)]
+    self.targs = [_rows_of_every_process(targ, processes, self.name)]
+
+def _gather_whole_set(metric, processes):
+    if not callable(getattr(metric, 'gather', None)):
+        raise ValueError(f"metric {_metric_name(metric)!r} accumulates its batches but has no `gather(processes)` "
+                         "method: with several processes it would see only this process's shard. Use AccumMetric, or "
+                         "give it one")
+    metric.gather(processes)
 
 # %% ../../nbs/05_callbacks.ipynb #u06
 @patch

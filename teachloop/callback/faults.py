@@ -70,7 +70,8 @@ class CheckBatch(Callback):
 
     def after_pred(self):
         y, pred = self.y, self.pred
-        if not self.check_labels or not isinstance(y, torch.Tensor) or y.is_floating_point() or pred.ndim < 2: return
+        if not self.check_labels or not isinstance(y, torch.Tensor) or y.is_floating_point(): return
+        if not isinstance(pred, torch.Tensor) or pred.ndim < 2: return  # a tuple or dict of outputs: the loss knows which
         n_classes = pred.shape[1]
         low, high = int(y.min()), int(y.max())
         if low < 0 or high >= n_classes:

@@ -20,7 +20,7 @@ from ..random_state import rng_readers, same_state, saveable_rng, set_rng_states
 # %% auto #0
 __all__ = ['FiniteCheck', 'grads_are_finite', 'nonfinite_grads', 'NaNCapture', 'KeptStep', 'running_stat_layers',
            'capture_file_name', 'NaNReport', 'load_capture', 'tensors_in', 'watch_forward', 'graph_nodes',
-           'watch_backward', 'replay_nan', 'cloned', 'AsyncFiniteCheck', 'PendingCheck']
+           'watch_backward', 'replay_nan', 'cloned', 'DeferredFiniteCheck', 'PendingCheck']
 
 # %% ../../nbs/12_nan_capture.ipynb #c011
 class FiniteCheck:
@@ -86,7 +86,7 @@ def before_step(self:NaNCapture):
     if self._probe: self._end_probe()
     grads = [g for p in self._params if (g := p.grad) is not None]
     if not grads: return
-    if self._async_check is None:
+    if self._deferred_check is None:
         finite = self._check(grads)
         processes = self.learn.processes  # several train together: did any of them find a non-finite gradient?
         if processes.several: finite = not processes.any(not finite)
@@ -95,7 +95,7 @@ def before_step(self:NaNCapture):
     if self._pending is not None: return  # the previous answer is still on its way: no second copy, no waiting
     names = [n for n, p in self._named if p.grad is not None]
     live = (self.model.state_dict(), self.opt.state_dict())
-    self._pending = PendingCheck(grads, names, self._step_record(copy=True, states=live), live, self._async_check)
+    self._pending = PendingCheck(grads, names, self._step_record(copy=True, states=live), live, self._deferred_check)
     self._undo_due = True
 
 # %% ../../nbs/12_nan_capture.ipynb #u04
@@ -171,7 +171,7 @@ def before_fit(self:NaNCapture):
         raise ValueError("NaNCapture(sync_free=True) needs every trained parameter on one device; "
                          "use sync_free=False for this model")
     self._check = FiniteCheck(device) if device is not None else _all_finite
-    self._async_check = AsyncFiniteCheck(device) if deferred else None
+    self._deferred_check = DeferredFiniteCheck(device) if deferred else None
     self._kept, self._pending, self._undo_due = KeptStep(), None, False
     self._stat_layers = running_stat_layers(self.model)
     self._readers = rng_readers()  # the generators read at the start of every checked step
@@ -326,7 +326,7 @@ def cloned(value):
     if isinstance(value, (list, tuple)): return type(value)(cloned(v) for v in value)
     return value
 
-class AsyncFiniteCheck(FiniteCheck):
+class DeferredFiniteCheck(FiniteCheck):
     "A finiteness check of gradients whose answer is copied to the host without waiting; `ready` and `finite` read it."
     def __init__(self, device):
         super().__init__(device)

@@ -41,5 +41,6 @@ class BatchNormAtAverage(Callback):
         if not callable(getattr(self.opt, 'eval', None)) or not _tracked_batch_norms(self.model): return
         device = next(self.model.parameters()).device
         with _random_states_kept(self.dls.train):  # later epochs draw the batches and dropout they draw without it
-            inputs = (to_device(tuple(batch[:-1]), device) for batch in self.dls.train)
+            n_inp = self.learn.n_inp if self.learn.n_inp is not None else -1  # the model's inputs, as the learner splits
+            inputs = (to_device(tuple(batch[:n_inp]), device) for batch in self.dls.train)
             recompute_batchnorm(self.model, inputs, self.n_batches)

@@ -7,26 +7,47 @@ lower the learning rate on a plateau."""
 from __future__ import annotations
 
 import math
+import re
 from functools import partial
 
-from ..core import check_count, check_mode, check_save_path, written_by_rank_zero
+from ..core import check_count, check_save_path, written_by_rank_zero
 from ..learner import Callback, CancelFitException
+from .schedule import check_hyper_writers
 
 # %% auto #0
-__all__ = ['TrackerCallback', 'SaveModel', 'EarlyStopping', 'ReduceLROnPlateau']
+__all__ = ['LOWER_IS_BETTER', 'HIGHER_IS_BETTER', 'EarlyStoppingCallback', 'SaveModelCallback', 'monitor_mode', 'TrackerCallback',
+           'SaveModel', 'EarlyStopping', 'ReduceLROnPlateau']
+
+# %% ../../nbs/13a_trackers.ipynb #m01
+LOWER_IS_BETTER = {'loss', 'error', 'err', 'mse', 'rmse', 'mae', 'perplexity'}
+HIGHER_IS_BETTER = {'accuracy', 'acc', 'f1', 'fbeta', 'auc', 'roc', 'precision', 'recall', 'r2', 'dice', 'iou',
+                    'jaccard', 'score'}
+
+def monitor_mode(monitor):
+    "'min' or 'max' for the recorded value named `monitor`, from the words of the name; `ValueError` if they do not say."
+    if not isinstance(monitor, str): raise TypeError(f"monitor must be a recorded value's name, got {monitor!r}")
+    words = set(re.findall(r'[a-z0-9]+', re.sub(r'([a-z0-9])([A-Z])', r'\1_\2', monitor).lower()))
+    lower, higher = words & LOWER_IS_BETTER, words & HIGHER_IS_BETTER
+    if lower and not higher: return 'min'
+    if higher and not lower: return 'max'
+    said = f"both {sorted(lower)} (lower is better) and {sorted(higher)} (higher)" if lower else "no word of either kind"
+    raise ValueError(f"cannot tell from {monitor!r} whether lower or higher is better: its name has {said}; give mode='min' "
+                     "or mode='max'")
 
 # %% ../../nbs/13a_trackers.ipynb #c028
 class TrackerCallback(Callback):
     "Follow the recorded value `monitor` at each epoch's end: `best` so far, `improved`, `wait` epochs since."
     order = 55
     def __init__(self,
-                 monitor,  # a name from `learn.recorder.metric_names`: 'valid_loss', 'train_loss', a metric
-                 mode,  # 'min' if lower is better, 'max' if higher is better
+                 monitor='valid_loss',  # a name from `learn.recorder.metric_names`: 'valid_loss', 'train_loss', a metric
+                 mode='auto',  # 'min' if lower is better, 'max' if higher is better, 'auto': from the name (`monitor_mode`)
                  min_delta=0.,  # an improvement must beat the best value by more than this
                 ):
-        check_mode(mode)
+        if mode not in ('auto', 'min', 'max'):
+            raise ValueError(f"mode must be 'min' (lower is better, a loss), 'max' (higher is better, an accuracy) or "
+                             f"'auto' (read from the monitored name), got {mode!r}")
         if not isinstance(min_delta, (int, float)) or min_delta < 0: raise ValueError(f"min_delta must be >= 0, got {min_delta!r}")
-        self.monitor, self.mode, self.min_delta = monitor, mode, min_delta
+        self.monitor, self.mode, self.min_delta = monitor, monitor_mode(monitor) if mode == 'auto' else mode, min_delta
         self.best, self.improved, self.wait, self.epochs_seen = None, False, 0, 0
 
     def before_fit(self):
@@ -56,8 +77,9 @@ class TrackerCallback(Callback):
 class SaveModel(TrackerCallback):
     "Save the model's weights to `path` whenever `monitor` improves."
     observes = True  # a resume may leave it out: its best value and its file do not change the fit
-    def __init__(self, monitor, mode, path, min_delta=0.):
+    def __init__(self, monitor='valid_loss', mode='auto', path=None, min_delta=0.):
         super().__init__(monitor, mode, min_delta)
+        if path is None: raise TypeError("SaveModel needs the file to write the best weights to: SaveModel(path='best.pt')")
         self.path = check_save_path(path, 'model.pt', 'SaveModel path')
 
     def before_fit(self):
@@ -73,7 +95,7 @@ class SaveModel(TrackerCallback):
 # %% ../../nbs/13a_trackers.ipynb #u02
 class EarlyStopping(TrackerCallback):
     "Stop the fit after `patience` epochs without improvement of `monitor`; optionally end with the best weights."
-    def __init__(self, monitor, mode, patience=1, min_delta=0., restore_best=True):
+    def __init__(self, monitor='valid_loss', mode='auto', patience=1, min_delta=0., restore_best=True):
         super().__init__(monitor, mode, min_delta)
         check_count('patience', patience)
         self.patience, self.restore_best, self.best_weights, self.stopped_epoch = patience, restore_best, None, None
@@ -101,14 +123,23 @@ class EarlyStopping(TrackerCallback):
 # %% ../../nbs/13a_trackers.ipynb #u04
 class ReduceLROnPlateau(TrackerCallback):
     "Multiply the learning rates by `factor` after `patience` epochs without improvement of `monitor`."
-    def __init__(self, monitor, mode, patience=1, factor=0.1, min_delta=0., min_lr=0.):
+    def __init__(self, monitor='valid_loss', mode='auto', patience=1, factor=0.1, min_delta=0., min_lr=0.):
         super().__init__(monitor, mode, min_delta)
-        if not 0 < factor < 1: raise ValueError(f"factor must be between 0 and 1, got {factor!r}")
+        if not 0 < factor < 1:
+            raise ValueError(f"factor must be between 0 and 1, got {factor!r}: the rate is multiplied by it, as in torch "
+                             "(fastai divides by its factor: its factor=10 is 0.1 here)")
         check_count('patience', patience)
         self.patience, self.factor, self.min_lr = patience, factor, min_lr
+
+    def hypers_written(self): return {'lr': 'at epoch ends'}  # see 'Who sets a hyper-parameter' (notebook 06)
+    def check_fit(self): check_hyper_writers(self.learn)  # before the fit: a schedule of 'lr' would undo its reductions
 
     def after_epoch(self):
         super().after_epoch()
         if self.wait < self.patience: return
         self.opt.set_hyper('lr', [max(h['lr'] * self.factor, self.min_lr) for h in self.opt.hypers])
         self.wait = 0
+
+# %% ../../nbs/13a_trackers.ipynb #f02
+EarlyStoppingCallback = EarlyStopping  # fastai's name for the same class
+SaveModelCallback = SaveModel  # fastai's name for the same class (its `fname` is our `path`)

@@ -42,13 +42,13 @@ def _dot(a, b): return sum((x * y).sum() for x, y in zip(a, b))
 
 def top_eigenvalue(hvp,  # `v -> H v` on lists of tensors, from `hessian_vector_product`
                    start,  # the first vector (a list of tensors shaped like the parameters)
-                   n_iter=20,  # power iterations: one Hessian-vector product each
+                   power_iters=20,  # power iterations: one Hessian-vector product each
                    scale=None):  # per-element `D`: the eigenvalue of `D H D` (a preconditioned sharpness)
     "The eigenvalue of largest size of `H` (or `D H D`) by power iteration, and its eigenvector."
-    check_count('n_iter', n_iter)
+    check_count('power_iters', power_iters)
     apply = hvp if scale is None else lambda v: [d * hv for d, hv in zip(scale, hvp([d * x for d, x in zip(scale, v)]))]
     v = [x / _dot(start, start).sqrt() for x in start]
-    for _ in range(n_iter):
+    for _ in range(power_iters):
         hv = apply(v)
         eigenvalue, norm = _dot(v, hv), _dot(hv, hv).sqrt()
         v = [x.detach() / norm for x in hv]
@@ -60,12 +60,12 @@ class Sharpness(Callback):
     order, run_valid, observes = 60, False, True
     def __init__(self,
                  every=50,  # training steps between two estimates
-                 n_iter=20,  # power iterations per estimate (each one Hessian-vector product)
+                 power_iters=20,  # power iterations per estimate (each one Hessian-vector product)
                  preconditioned=None,  # the sharpness of `P^-1 H` (`lr P^-1`: the effective lrs); None: for Adam, RMSProp
                  batch=None,  # `(x, y)` to measure on; None: the fit's first training batch
                  max_points=2000):  # estimates kept; beyond, every other one is dropped
-        check_count('every', every); check_count('n_iter', n_iter); check_count('max_points', max_points, minimum=2)
-        self.every, self.n_iter, self.preconditioned, self.batch = every, n_iter, preconditioned, batch
+        check_count('every', every); check_count('power_iters', power_iters); check_count('max_points', max_points, minimum=2)
+        self.every, self.power_iters, self.preconditioned, self.batch = every, power_iters, preconditioned, batch
         self.max_points = max_points
 
     def before_fit(self):
@@ -98,7 +98,7 @@ def estimate(self:Sharpness, lr):
         hvp = hessian_vector_product(self.loss_func(self.model(*xb), *yb), params)
         scale = self._scale(params, lr) if self._preconditioned else None
         start = to_device(self._vector, params[0].device) if self._vector else [torch.randn_like(p) for p in params]
-        value, self._vector = top_eigenvalue(hvp, start, self.n_iter, scale)
+        value, self._vector = top_eigenvalue(hvp, start, self.power_iters, scale)
     for b, saved in zip(self.model.buffers(), buffers): b.copy_(saved)
     return value
 

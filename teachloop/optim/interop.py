@@ -26,7 +26,7 @@ def torch_location(group, name):
         if 'betas' in group: return ('betas', 0)
     if name == 'sqr_mom':
         if 'betas' in group: return ('betas', 1)
-        if 'alpha' in group: return ('alpha', None)
+        if 'alpha' in group and 'centered' in group: return ('alpha', None)  # RMSprop's (ASGD's `alpha` is another thing)
     return None
 
 def read_hyper(group, location):
@@ -138,6 +138,12 @@ def norm_and_bias_params(model):
 def state(self:OptimWrapper): return self.opt.state
 @patch(as_prop=True)
 def defaults(self:OptimWrapper): return self.opt.defaults
+
+# An optimizer with modes has `train` and `eval`; the wrapper has them exactly when the torch optimizer does
+@patch(as_prop=True)
+def train(self:OptimWrapper): return getattr(self.opt, 'train', None)
+@patch(as_prop=True)
+def eval(self:OptimWrapper): return getattr(self.opt, 'eval', None)
 
 @patch
 def state_dict(self:OptimWrapper):

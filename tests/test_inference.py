@@ -1,0 +1,317 @@
+"""`learn.export` and `load_learner`: predictions in a fresh process equal the learner's, any batch size, clear refusals
+(a model torch.export cannot trace, wrong inputs, files that are not exports), and files that would run code refused."""
+import io
+import json
+import os
+import pickle
+import re
+import subprocess
+import sys
+import threading
+import zipfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from teachloop.data import DataLoaders, digits_cnn, digits_dls
+from teachloop.inference import InferenceLearner, check_archive, export_model, load_learner
+from teachloop.learner import Learner
+from teachloop.testing import digits_learner, quiet
+
+# A fresh process that loads an export and saves what it predicts; it imports teachloop and torch, nothing of the test.
+FRESH = """
+import sys, torch
+from teachloop.data import digits_dls
+from teachloop.inference import load_learner
+learn = load_learner(sys.argv[1])
+valid = digits_dls().valid
+inputs, probs, targets, decoded = learn.get_preds(valid, with_input=True, with_decoded=True)
+unlabelled = learn.get_preds([x for x, _ in valid])
+modules = sorted(m for m in sys.modules if m.startswith('teachloop'))
+torch.save({'inputs': inputs, 'probs': probs, 'targets': targets, 'decoded': decoded, 'unlabelled': unlabelled,
+            'item': learn.predict(valid.dataset[5]), 'modules': modules}, sys.argv[2])
+"""
+
+
+def predicted_in_a_fresh_process(path, tmp_path):
+    out = tmp_path / 'fresh.pt'
+    # The same number of threads as this process: the program then runs the learner's kernels in the same order
+    env = {**os.environ, 'OMP_NUM_THREADS': str(torch.get_num_threads())}
+    done = subprocess.run([sys.executable, '-c', FRESH, str(path), str(out)], capture_output=True, text=True, env=env,
+                          cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return torch.load(out, weights_only=True)
+
+
+@pytest.fixture(scope='module')
+def trained():
+    learn = digits_learner()
+    learn.fit(1)
+    return learn
+
+
+def test_a_fresh_process_predicts_exactly_as_the_learner(trained, tmp_path):
+    path = trained.export(tmp_path / 'digits.pt2', vocab=[f'digit {i}' for i in range(10)])
+    fresh = predicted_in_a_fresh_process(path, tmp_path)
+    inputs, probs, targets, decoded = trained.get_preds(with_input=True, with_decoded=True)
+    # Exactly: the program calls the same aten operators as the model (conv2d, relu, linear), with the same kernels,
+    # threads and CPU capability, so each value is computed in the same order; a tolerance would hide a wrong weight.
+    assert torch.equal(fresh['probs'], probs) and torch.equal(fresh['decoded'], decoded)
+    assert torch.equal(fresh['targets'], targets) and torch.equal(fresh['inputs'], inputs)
+    assert torch.allclose(probs.sum(dim=1), torch.ones(len(probs)))  # probabilities, by default
+    unlabelled_probs, no_targets = fresh['unlabelled']
+    assert torch.equal(unlabelled_probs, probs) and no_targets is None
+    x, y = trained.dls.valid.dataset[5]
+    decoded_item, probs_item = trained.predict(x)
+    assert fresh['item'][0] == f'digit {int(decoded_item)}' and torch.equal(fresh['item'][1], probs_item)
+    assert 'teachloop.testing' not in fresh['modules']
+
+
+def test_the_fresh_process_needs_no_code_of_the_model(tmp_path):
+    "A model whose class lives only in this function: pickle cannot store it, the export needs it not."
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cnn, self.scale = digits_cnn(), nn.Parameter(torch.tensor(2.))
+        def forward(self, x): return self.cnn(x) * self.scale
+    learn = digits_learner(model_fn=Scaled)
+    learn.fit(1)
+    with pytest.raises((AttributeError, pickle.PicklingError)): pickle.dumps(learn.model)
+    fresh = predicted_in_a_fresh_process(learn.export(tmp_path / 'scaled.pt2'), tmp_path)
+    assert torch.equal(fresh['probs'], learn.get_preds()[0])
+    assert isinstance(fresh['item'][0], torch.Tensor)  # no vocab: the class index
+
+
+@pytest.mark.parametrize('n', [1, 2, 7, 359])
+def test_the_program_takes_any_batch_size(trained, tmp_path, n):
+    learn = load_learner(trained.export(tmp_path / 'digits.pt2'))
+    x = torch.rand(n, 1, 8, 8)
+    with torch.no_grad(): expected = trained.model.eval()(x).softmax(dim=1)
+    probs, targets = learn.get_preds([(x, torch.zeros(n, dtype=torch.long))])
+    assert torch.equal(probs, expected) and targets.shape == (n,)
+
+
+def test_export_changes_nothing_of_the_learner(tmp_path):
+    learn = digits_learner()
+    learn.dls = digits_dls()
+    learn.dls.valid = None  # the example is then a training batch, drawn from a shuffled loader
+    train_generator = learn.dls.train.generator
+    learn.model.train()
+    weights = {k: v.clone() for k, v in learn.model.state_dict().items()}
+    before = torch.get_rng_state(), train_generator.get_state(), weights
+    learn.export(tmp_path / 'digits.pt2')
+    assert learn.model.training
+    assert torch.equal(torch.get_rng_state(), before[0]) and torch.equal(train_generator.get_state(), before[1])
+    assert all(torch.equal(v, before[2][k]) for k, v in learn.model.state_dict().items())
+
+
+def test_export_waits_for_no_fit_in_another_thread(tmp_path):
+    "A background fit owns the learner: an export would switch its model to eval mode in the middle of a batch."
+    learn = digits_learner()
+    other = threading.Thread()
+    learn.reserve_for(other)
+    with pytest.raises(RuntimeError, match='cannot export while this learner trains in another thread'):
+        learn.export(tmp_path / 'digits.pt2')
+    assert list(tmp_path.iterdir()) == []
+    learn.release(other)
+    assert learn.export(tmp_path / 'digits.pt2').exists()
+
+
+def test_the_file_holds_no_data(trained, tmp_path):
+    path = trained.export(tmp_path / 'digits.pt2')
+    with zipfile.ZipFile(path) as archive:
+        name = next(n for n in archive.namelist() if '/sample_inputs/' in n)
+        (args, kwargs) = torch.load(io.BytesIO(archive.read(name)), weights_only=True)
+    assert [tuple(a.shape) for a in args] == [(2, 1, 8, 8)] and all(not a.any() for a in args) and kwargs == {}
+
+
+def test_a_model_torch_export_cannot_trace_is_refused_with_the_cause_and_the_way_out(tmp_path):
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cnn = digits_cnn()
+        def forward(self, x): return self.cnn(x) if x.sum() > 0 else self.cnn(-x)
+    learn = digits_learner(model_fn=Branchy)
+    path = tmp_path / 'model.pt2'
+    path.write_bytes(b'an earlier file')
+    with pytest.raises(RuntimeError, match=r'values in a tensor') as caught:
+        learn.export(path)
+    message = str(caught.value)
+    assert 'x.sum() > 0' in message and 'learn.save' in message and 'torch.cond' in message
+    assert caught.value.__cause__ is not None  # torch's own error, kept
+    assert path.read_bytes() == b'an earlier file' and sorted(p.name for p in tmp_path.iterdir()) == ['model.pt2']
+
+
+def test_a_compiled_model_is_exported_as_the_model_it_wraps(trained, tmp_path):
+    learn = digits_learner()
+    learn.model.load_state_dict(trained.model.state_dict())
+    plain = learn.model
+    learn.model = torch.compile(plain)  # never called: no compiler needed, the export reads `_orig_mod`
+    assert all(k.startswith('_orig_mod.') for k in learn.model.state_dict())
+    inference = load_learner(learn.export(tmp_path / 'compiled.pt2'))
+    x = torch.rand(4, 1, 8, 8)
+    with torch.no_grad(): expected = plain.eval()(x).softmax(dim=1)
+    assert torch.equal(inference.get_preds([x])[0], expected)
+
+
+def test_wrong_inputs_get_a_message_with_the_exported_shape(trained, tmp_path):
+    learn = load_learner(trained.export(tmp_path / 'digits.pt2'))
+    with pytest.raises(ValueError, match=r"shape \(n, 1, 8, 8\) and dtype float32.*got shape \(2, 3, 8, 8\)"):
+        learn.get_preds([torch.zeros(2, 3, 8, 8)])
+    with pytest.raises(ValueError, match=r"dtype float32.*torch.float64"):
+        learn.predict(torch.zeros(1, 8, 8, dtype=torch.float64))
+
+
+def two_input_learner():
+    "A learner whose batches are `(image, offset, target)`: two inputs (`n_inp=2`)."
+    class TwoInputs(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.cnn, self.offset = digits_cnn(), nn.Linear(3, 10)
+        def forward(self, image, offset): return self.cnn(image) + self.offset(offset)
+    torch.manual_seed(0)
+    x, y = torch.rand(96, 1, 8, 8), torch.randint(0, 10, (96,))
+    offsets = torch.randn(96, 3)
+    dl = DataLoader(TensorDataset(x, offsets, y), batch_size=32)
+    return quiet(Learner(DataLoaders(dl, dl), TwoInputs(), F.cross_entropy, n_inp=2, lr=1e-2)), dl
+
+
+def test_a_model_of_two_inputs(tmp_path):
+    learn, dl = two_input_learner()
+    learn.fit(1)
+    inference = load_learner(learn.export(tmp_path / 'two.pt2'))
+    assert inference.facts['n_inp'] == 2 and len(inference.facts['inputs']) == 2
+    probs, targets = learn.get_preds(dl)
+    assert all(torch.equal(a, b) for a, b in zip(inference.get_preds(dl), (probs, targets)))
+    image, offset, target = dl.dataset[3]
+    expected = learn.predict((image, offset))
+    assert all(torch.equal(a, b) for a, b in zip(inference.predict((image, offset, target)), expected))
+
+
+def digits_with_loss(loss_func):
+    learn = digits_learner()
+    learn.loss_func = loss_func
+    return learn
+
+
+class OwnActivation(nn.Module):
+    "A loss that carries its own activation, as fastai's do: a function teachloop cannot name."
+    activation = staticmethod(lambda pred: pred.softmax(dim=1))
+    def forward(self, pred, target): return F.cross_entropy(pred, target)
+
+
+@pytest.mark.parametrize('loss_func, activation, decodes', [
+    (F.cross_entropy, 'softmax_over_classes', 'most_probable_class'),
+    (nn.CrossEntropyLoss(), 'softmax_over_classes', 'most_probable_class'),
+    (F.binary_cross_entropy_with_logits, 'sigmoid', 'above_half'),
+    (nn.BCEWithLogitsLoss(), 'sigmoid', 'above_half'),
+    (F.mse_loss, None, None)])
+def test_the_facts_name_the_activation_get_preds_applies(tmp_path, loss_func, activation, decodes):
+    learn = digits_with_loss(loss_func)
+    path = learn.export(tmp_path / 'model.pt2')
+    with zipfile.ZipFile(path) as archive:
+        facts = json.loads(archive.read(next(n for n in archive.namelist() if n.endswith('extra/teachloop.json'))))
+    assert (facts['activation'], facts['decodes']) == (activation, decodes)
+    x = torch.rand(5, 1, 8, 8)
+    learner_preds, _, learner_decoded = learn.get_preds([x], with_decoded=True)
+    preds, targets, decoded = load_learner(path).get_preds([x], with_decoded=True)
+    assert torch.equal(preds, learner_preds) and torch.equal(decoded, learner_decoded) and targets is None
+
+
+def test_a_loss_with_an_activation_of_its_own_is_refused_before_anything_is_written(tmp_path):
+    learn = digits_with_loss(OwnActivation())
+    with pytest.raises(ValueError, match="cannot be saved by name"): learn.export(tmp_path / 'model.pt2')
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_vocab_names_the_class_and_the_labels_that_are_on(trained, tmp_path):
+    names = [f'digit {i}' for i in range(10)]
+    single = load_learner(trained.export(tmp_path / 'one.pt2', vocab=names))
+    assert single.named(torch.tensor(4)) == 'digit 4'
+    multi_label = digits_with_loss(F.binary_cross_entropy_with_logits)
+    multi = load_learner(multi_label.export(tmp_path / 'multi.pt2', vocab=names))
+    on = torch.zeros(10, dtype=torch.bool)
+    on[[1, 7]] = True
+    assert multi.named(on) == ['digit 1', 'digit 7']
+    name, probs = multi.predict(torch.rand(1, 8, 8))
+    assert name == [n for n, p in zip(names, probs.tolist()) if p > 0.5]
+
+
+def test_files_that_are_not_exports_are_refused_clearly(tmp_path):
+    torch.save({'model': {}}, tmp_path / 'weights.pt')
+    (tmp_path / 'text.pt2').write_text('not an archive')
+    for name in ('weights.pt', 'text.pt2'):
+        with pytest.raises(ValueError, match='could not read'): load_learner(tmp_path / name)
+    program = export_model(digits_cnn(), (torch.zeros(2, 1, 8, 8),))
+    torch.export.save(program, tmp_path / 'plain.pt2')  # an export of torch's, without teachloop's facts
+    with pytest.raises(ValueError, match='not written by `learn.export`'): load_learner(tmp_path / 'plain.pt2')
+
+
+# ---- files written to run code: each is refused by `load_learner`, and would have run its code in torch's loader
+
+def rewritten(path, out, edit):
+    "A copy at `out` of the archive at `path`, the text of each entry ending in a key of `edit` changed by its function."
+    with zipfile.ZipFile(path) as archive, zipfile.ZipFile(out, 'w') as copy:
+        for info in archive.infolist():
+            data = archive.read(info)
+            for ending, change in edit.items():
+                if info.filename.endswith(ending): data = change(data.decode()).encode()
+            copy.writestr(info, data)
+    return out
+
+
+def marker_code(marker): return f"__import__('pathlib').Path({str(marker)!r}).touch()"
+
+
+def test_a_shape_that_runs_python_is_refused_and_would_have_run(trained, tmp_path):
+    marker = tmp_path / 'ran'
+    def inject(text):
+        shape = re.search(r'"expr_str": "(Symbol[^"]*)"', text).group(1)
+        return text.replace(shape, f"({marker_code(marker)}, {shape})[1]".replace('"', '\\"'), 1)
+    crafted = rewritten(trained.export(tmp_path / 'digits.pt2'), tmp_path / 'crafted.pt2', {'models/model.json': inject})
+    with pytest.raises(ValueError, match='shape expression'): load_learner(crafted)
+    assert not marker.exists()
+    load_learner(crafted, trust=True)  # torch's loader evaluates it: the check above is not about nothing
+    assert marker.exists()
+
+
+def test_a_pickled_weight_is_refused(trained, tmp_path):
+    def as_pickle(text):
+        config = json.loads(text)
+        next(iter(config['config'].values()))['use_pickle'] = True
+        return json.dumps(config)
+    crafted = rewritten(trained.export(tmp_path / 'digits.pt2'), tmp_path / 'crafted.pt2',
+                        {'weights_config.json': as_pickle})
+    with pytest.raises(ValueError, match='stored as a pickle'): load_learner(crafted)
+
+
+def test_an_operator_outside_torch_ops_and_a_guard_are_refused(trained, tmp_path):
+    path = trained.export(tmp_path / 'digits.pt2')
+    def os_system(text): return text.replace('"torch.ops.aten.relu.default"', '"torch.os.system"', 1)
+    def guard(text):
+        program = json.loads(text)
+        program['guards_code'] = ["__import__('os').getpid() > 0"]
+        return json.dumps(program)
+    for name, edit, refusal in (('os.pt2', os_system, "operator 'torch.os.system'"), ('guard.pt2', guard, 'is Python')):
+        crafted = rewritten(path, tmp_path / name, {'models/model.json': edit})
+        with pytest.raises(ValueError, match=re.escape(refusal)): check_archive(crafted)
+    check_archive(path)  # the learner's own file passes
+
+
+def test_example_inputs_that_need_a_full_unpickle_are_refused(trained, tmp_path):
+    class Marker:
+        def __reduce__(self): return (print, ('unpickled',))
+    path = trained.export(tmp_path / 'digits.pt2')
+    crafted = tmp_path / 'crafted.pt2'
+    with zipfile.ZipFile(path) as archive, zipfile.ZipFile(crafted, 'w') as copy:
+        for info in archive.infolist():
+            data = archive.read(info)
+            if '/sample_inputs/' in info.filename:
+                buffer = io.BytesIO()
+                torch.save(((Marker(),), {}), buffer)
+                data = buffer.getvalue()
+            copy.writestr(info, data)
+    with pytest.raises(ValueError, match='pickle of more than tensors'): check_archive(crafted)

@@ -529,8 +529,14 @@ def predict(self:Learner,
            ):
     "`(decoded, probabilities)` of one item, as `get_preds` makes them."
     with self.exclusive('predict'):
-        preds, _, decoded = self.get_preds(dl=[_batch_of_one(self, item)], with_decoded=True)
+        try: preds, _, decoded = self.get_preds(dl=[_batch_of_one(self, item)], with_decoded=True)
+        except TypeError as e:
+            if self.n_inp is None and isinstance(item, (list, tuple)) and len(item) > 1: _add_note(e, _whole_item_note)
+            raise
     return _first_of_batch(decoded), _first_of_batch(preds)
+
+_whole_item_note = ("(predict gives the model every part of a tuple item; an item of a data set holds its target too: "
+                    "pass its inputs, `learn.predict(item[0])`, or make the learner with `n_inp=1`)")
 
 # %% ../nbs/04_learner.ipynb #c028
 @patch

@@ -455,3 +455,30 @@ def test_under_two_processes_what_cannot_see_the_whole_set_is_refused_in_every_p
     from teachloop.callback.distributed import run_ranks
     ranks = run_ranks(validate_in_a_rank, n_valid, with_shard_only, world_size=2, start_method='fork', timeout=120)
     assert all(isinstance(r, str) and said in r for r in ranks), ranks
+
+
+def test_mixed_precision_predicts_and_validates_before_any_fit():
+    "Its device and dtype are chosen when first needed: a baseline validation or get_preds before training works."
+    from teachloop.callback.core import MixedPrecision
+    from teachloop.testing import digits_learner
+    learn = digits_learner(MixedPrecision())
+    probs, targets = learn.get_preds()
+    x = torch.cat([b[0] for b in learn.dls.valid])
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16): out = learn.model(x)
+    assert probs.dtype == torch.float32 and torch.equal(probs, out.float().softmax(1))
+    # the mean of per-batch float32 means against one float32 mean: they differ by a few roundings (~1e-7 each)
+    assert learn.validate()[0] == pytest.approx(torch.nn.functional.cross_entropy(out.float(), targets).item(), rel=1e-6)
+
+
+def test_metrics_see_float32_predictions_under_mixed_precision():
+    "As fastai's MixedPrecision does: a metric that hands the predictions to numpy works (numpy has no bfloat16)."
+    from teachloop.callback.core import MixedPrecision
+    from teachloop.testing import digits_learner
+    seen = []
+    def numpy_accuracy(pred, y):
+        seen.append(pred.dtype)
+        return (pred.softmax(1).numpy().argmax(1) == y.numpy()).mean()
+    learn = digits_learner(MixedPrecision(), metrics=[numpy_accuracy])
+    learn.fit(1)
+    row = dict(zip(learn.recorder.metric_names, learn.recorder.values[-1]))
+    assert set(seen) == {torch.float32} and 0 <= row['numpy_accuracy'] <= 1

@@ -696,3 +696,67 @@ def test_an_error_in_a_later_validation_leaves_the_model_and_the_interrupted_fil
     with pytest.raises(RuntimeError, match='played'): learn.validate()
     assert torch.equal(learn.model[1].running_mean, torch.full((8,), 3.))
     assert (tmp_path / 'interrupted.pt').read_bytes() == written
+
+
+class ErrorInTrainingBatch(Callback):
+    "An error as training batch `at` (counted over the fit) begins."
+    def __init__(self, at): self.at = at
+    def before_batch(self):
+        if self.training and self.train_iter == self.at: raise RuntimeError('an error in a batch')
+
+
+@pytest.mark.parametrize('at', [23, 24])  # 23 batches an epoch: the first batch of the second epoch, and the second
+def test_an_error_in_an_epochs_first_batch_resumes_exactly(tmp_path, at):
+    "The epoch's loader drew its order as the epoch began: a resume draws the same one again (its generator's state "
+    "from the epoch's start), whether the error came in the epoch's first batch or a later one."
+    from teachloop.testing import digits_learner
+    straight = digits_learner()
+    straight.fit(3)
+    learn = digits_learner(Checkpoint(tmp_path))
+    with pytest.raises(RuntimeError, match='an error in a batch'): learn.fit(3, cbs=[ErrorInTrainingBatch(at)])
+    resumed = digits_learner(Checkpoint(tmp_path))
+    resumed.fit(3, resume=tmp_path / 'interrupted.pt')
+    assert all(torch.equal(a, b) for a, b in zip(straight.model.state_dict().values(), resumed.model.state_dict().values()))
+    assert [r[:-1] for r in resumed.recorder.values] == [r[:-1] for r in straight.recorder.values]
+
+
+class ErrorInValidation(Callback):
+    def before_batch(self):
+        if not self.training and self.epoch == 1 and self.iter == 1: raise RuntimeError('an error in a validation')
+
+
+def test_an_error_in_a_validation_says_which_file_resumes(tmp_path, capsys):
+    "`interrupted.pt` from a validation holds good weights but no whole epoch: the message offers `latest.pt` instead "
+    "of a resume that would be refused."
+    from teachloop.testing import digits_learner
+    learn = digits_learner(Checkpoint(tmp_path))
+    with pytest.raises(RuntimeError, match='an error in a validation'): learn.fit(3, cbs=[ErrorInValidation()])
+    said = capsys.readouterr().out
+    assert 'continues it' not in said and f"{tmp_path / 'latest.pt'} the end of its last epoch" in said
+    assert not read_checkpoint(tmp_path / 'interrupted.pt')['progress']['resumable']
+    digits_learner(Checkpoint(tmp_path)).fit(3, resume=tmp_path / 'latest.pt')  # goes on from epoch 1's start
+
+
+def test_a_fit_interrupted_twice_in_one_epoch_with_a_loader_drawing_from_the_global_generator_resumes_exactly(tmp_path):
+    "The resumed epoch starts from its start's global random states before a ResumePoints notes them again: the "
+    "second checkpoint of the same epoch keeps the epoch's real start, not the first checkpoint's batch boundary."
+    from torch.utils.data import DataLoader, TensorDataset
+    from teachloop.data import DataLoaders, load_digits_tensors, split_by_seed
+    from teachloop.testing import digits_learner
+    x, y = load_digits_tensors()
+    train, valid = split_by_seed(len(x))
+    def learner(*cbs):
+        learn = digits_learner(*cbs)
+        learn.dls = DataLoaders(DataLoader(TensorDataset(x[train], y[train]), batch_size=64, shuffle=True),
+                                DataLoader(TensorDataset(x[valid], y[valid]), batch_size=128))
+        return learn
+    torch.manual_seed(1)
+    straight = learner()
+    straight.fit(2)
+    torch.manual_seed(1)
+    with pytest.raises(RuntimeError): learner(Checkpoint(tmp_path)).fit(2, cbs=[ErrorInTrainingBatch(28)])
+    with pytest.raises(RuntimeError):
+        learner(Checkpoint(tmp_path)).fit(2, cbs=[ErrorInTrainingBatch(35)], resume=tmp_path / 'interrupted.pt')
+    resumed = learner(Checkpoint(tmp_path))
+    resumed.fit(2, resume=tmp_path / 'interrupted.pt')
+    assert all(torch.equal(a, b) for a, b in zip(straight.model.state_dict().values(), resumed.model.state_dict().values()))

@@ -11,7 +11,7 @@ from teachloop.optim.interop import OptimWrapper, freeze, freeze_to, split_at, u
 from teachloop.learner import Learner
 from teachloop.optim.core import SGD, Adam
 from teachloop.optim.more import Lamb
-from teachloop.testing import digits_batches
+from teachloop.testing import digits_batches, digits_learner
 
 pytestmark = pytest.mark.numeric
 
@@ -361,9 +361,10 @@ def test_a_schedule_free_optimizer_from_its_package_is_switched_between_its_poin
                     lr=1e-2, default_cbs=False)
     learn.fit(2)
     opt = schedulefree.AdamWScheduleFree(reference.parameters(), lr=1e-2)
-    opt.train()
-    fit_by_hand(reference, opt, batches, 2)
-    opt.eval()
+    for _ in range(2):  # each epoch's validation runs at the evaluation point, as the learner's does
+        opt.train()
+        fit_by_hand(reference, opt, batches, 1)
+        opt.eval()
     assert all(torch.equal(a, b) for a, b in zip(learn.model.parameters(), reference.parameters()))
     plain = OptimWrapper(small_model().parameters(), torch.optim.AdamW)
     assert plain.train is None and plain.eval is None  # no modes: the learner leaves it alone
@@ -372,3 +373,10 @@ def test_a_schedule_free_optimizer_from_its_package_is_switched_between_its_poin
 def test_asgds_alpha_is_not_read_as_a_moving_averages_weight():
     wrapper = OptimWrapper(digits_cnn().parameters(), torch.optim.ASGD, lr=0.01)
     assert 'sqr_mom' not in wrapper.names and wrapper.opt.param_groups[0]['alpha'] == 0.75
+
+
+def test_freeze_with_one_parameter_group_is_refused_saying_how_to_split():
+    learn = digits_learner()
+    before = [p.requires_grad for p in learn.model.parameters()]
+    with pytest.raises(ValueError, match='nothing would be frozen.*splitter'): learn.freeze()
+    assert [p.requires_grad for p in learn.model.parameters()] == before

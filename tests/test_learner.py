@@ -1013,3 +1013,11 @@ def test_a_compiled_models_weights_load_into_the_plain_model_and_back(tmp_path):
     plain.save(tmp_path / 'plain.pt')
     again.load(tmp_path / 'plain.pt')  # plain -> compiled
     assert all(torch.equal(v, expected[k.replace('_orig_mod.', '')]) for k, v in again.model.state_dict().items())
+
+
+def test_predict_on_a_data_sets_item_with_its_target_says_what_to_pass():
+    learn = digits_learner()
+    item = learn.dls.valid.dataset[0]
+    with pytest.raises(TypeError) as caught: learn.predict(item)
+    assert 'learn.predict(item[0])' in ''.join(getattr(caught.value, '__notes__', []))
+    assert torch.equal(learn.predict(item[0])[1], Learner(learn.dls, learn.model, F.cross_entropy, n_inp=1).predict(item)[1])

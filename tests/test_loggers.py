@@ -262,3 +262,19 @@ def test_under_two_processes_only_the_first_writes_and_the_others_are_quiet_only
     assert [list(row.values())[:-1] for row in CSVLogger(tmp_path / 'history.csv').read_log()] == [r[:-1] for r in rows0]
     assert len(list((tmp_path / 'tb').glob('*tfevents*'))) == 1
     assert values(read_scalars(tmp_path / 'tb'), 'epoch/valid_loss') == [f32(row[2]) for row in rows0]
+
+
+def test_fits_started_in_one_second_get_run_folders_of_their_own(tmp_path, monkeypatch):
+    "SummaryWriter's default name has the second in it: two fits in one second would write one run."
+    pytest.importorskip('tensorboard')
+    import datetime
+    import teachloop.callback.loggers as loggers
+    class OneSecond(datetime.datetime):
+        @classmethod
+        def now(cls, tz=None): return cls(2026, 11, 25, 0, 0, 0)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(loggers, 'datetime', OneSecond)
+    first, second = TensorBoardLogger(), TensorBoardLogger()
+    digits_learner(first).fit(1)
+    digits_learner(second).fit(1)
+    assert second.run_dir == first.run_dir.with_name(first.run_dir.name + '_2') and second.run_dir.exists()

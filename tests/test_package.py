@@ -98,3 +98,36 @@ def test_tensorboard_logger_without_tensorboard_names_the_extra(installed):
     python, work = installed
     result = run(python, work, "from teachloop.callback.loggers import TensorBoardLogger\nTensorBoardLogger()\n")
     assert result.returncode != 0 and "pip install 'teachloop[tensorboard]'" in result.stderr
+
+
+DAY_ONE = '''
+import subprocess, sys, torch
+from torch.nn import functional as F
+from teachloop.all import (AccumMetric, CSVLogger, EarlyStopping, LRSchedulerCallback, Learner, accuracy, digits_cnn,
+                           digits_dls, load_learner)
+def rmse(pred, targ): return ((pred.float() - targ.float()) ** 2).mean().sqrt().item()
+learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, opt_func=torch.optim.AdamW, lr=3e-3,
+                metrics=[accuracy, AccumMetric(rmse, dim_argmax=-1, name='rmse')])
+learn.freeze_to(-1); learn.unfreeze()
+learn.fit(2, cbs=[CSVLogger('history.csv'), EarlyStopping('valid_loss', patience=3),
+                  LRSchedulerCallback(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)])
+probs, targets, decoded = learn.get_preds(with_decoded=True)
+assert torch.allclose(probs.sum(1), torch.ones(len(probs))) and torch.equal(decoded, probs.argmax(1))
+assert len(CSVLogger('history.csv').read_log()) == 2
+learn.export('digits.pt2')
+check = ("from teachloop.inference import load_learner; import torch; p, _ = load_learner('digits.pt2').get_preds("
+         "torch.utils.data.DataLoader(torch.load('x.pt'), batch_size=64)); torch.save(p, 'p.pt')")
+x = torch.cat([b[0] for b in learn.dls.valid]); torch.save(x, 'x.pt')
+subprocess.run([sys.executable, '-c', check], check=True)
+assert torch.equal(torch.load('p.pt'), probs)
+print('day one')
+'''
+
+
+def test_the_day_one_features_work_from_the_installed_wheel(installed):
+    "A torch optimizer class, freezing, a whole-set metric, a CSV log, early stopping, a torch scheduler, predictions, "
+    "and an export loaded in another fresh process: all from the installed package, without the checkout."
+    python, work = installed
+    result = run(python, work, DAY_ONE)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-2:] == ['day', 'one'] and (work / 'digits.pt2').stat().st_size > 0

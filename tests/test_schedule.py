@@ -305,9 +305,11 @@ def test_fit_after_lr_find_equals_fit_without():
 
 
 def test_lr_find_runs_no_validation_and_works_without_validation_set():
-    learn = digits_learner(EventLog(), lr=1e-3)
+    class Steps(EventLog): observes = False  # a callback that acts on the fit stays for the range test; observers not
+    learn = digits_learner(Steps(), EventLog(), lr=1e-3)
     learn.lr_find(num_it=30, show_plot=False)  # 23 batches per epoch: the search spans two epochs
-    events = learn.event_log.events
+    events = learn.steps.events
+    assert learn.event_log.events == ['after_create']  # set aside: it would have recorded the range test
     assert events.count('before_epoch') == 2 and 'before_validate' not in events
     assert learn.dls.valid is not None
     x, y = regression_2d(n=64)
@@ -382,3 +384,19 @@ def test_param_scheduler_with_optim_wrapper():
     lrs, moms = learn.recorder.hps['lr'], learn.recorder.hps['mom']
     assert math.isclose(lrs[0], 0.05 / 25) and math.isclose(lrs[2], 0.05) and math.isclose(lrs[-1], 0.05 / 1e5)
     assert math.isclose(moms[2], 0.85) and math.isclose(learn.opt.hypers[0]['lr'], 0.05 / 1e5)
+
+
+def test_lr_find_sets_aside_the_callbacks_that_would_stop_record_or_write_the_range_test(tmp_path):
+    "A tracker would stop the test after its first epoch (no validation: its value is missing), a Checkpoint would "
+    "write the test's diverging weights over the real fit's files: both sit the range test out and come back."
+    from teachloop.callback.checkpoint import Checkpoint
+    from teachloop.callback.tracker import EarlyStopping
+    stop, ckpt = EarlyStopping('valid_loss', patience=1), Checkpoint(tmp_path)
+    learn = digits_learner(stop, ckpt, lr=1e-3)
+    learn.fit(1)
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    learn.lr_find(num_it=60, end_lr=1e-1, stop_div=False, show_plot=False)  # 23 batches an epoch: three epochs
+    assert len(learn.lr_range_test.lrs) == 60  # not cut short after an epoch
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
+    assert [cb for cb in learn.cbs if cb in (stop, ckpt)] == [stop, ckpt] and stop.learn is learn and ckpt.learn is learn
+    assert stop.epochs_seen == 1

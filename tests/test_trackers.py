@@ -10,10 +10,10 @@ from teachloop.testing import tiny_learner
 
 # names as libraries record them, and the direction a person would give them
 LOWER = ['valid_loss', 'train_loss', 'error_rate', 'mean_squared_error', 'rmse', 'mae', 'perplexity', 'valLoss',
-         'top1_err']
+         'top1_err', 'brier_score', 'BrierScore', 'score_error']
 HIGHER = ['accuracy', 'top5_accuracy', 'valid_acc', 'RocAuc', 'roc_auc_score', 'f1_score', 'fbeta', 'precision',
           'recall', 'r2_score', 'dice', 'score', 'BalancedAccuracy']
-UNCLEAR = ['my_metric', 'accumulated_grad', 'validloss', 'accuracy_loss', 'score_error', 'grad_norm', '']
+UNCLEAR = ['my_metric', 'accumulated_grad', 'validloss', 'accuracy_loss', 'accuracy_error', 'grad_norm', '']
 
 
 @pytest.mark.parametrize('name, mode', [(n, 'min') for n in LOWER] + [(n, 'max') for n in HIGHER])
@@ -33,7 +33,7 @@ def fastai_rule(name): return 'min' if 'loss' in name or 'error' in name else 'm
 def test_it_agrees_with_fastais_rule_where_that_one_is_right():
     "fastai: 'loss' or 'error' in the name is minimised, anything else maximised (so `rmse` and `mae` too)."
     differs = [n for n in LOWER + HIGHER if monitor_mode(n) != fastai_rule(n)]
-    assert differs == ['rmse', 'mae', 'perplexity', 'valLoss', 'top1_err']
+    assert differs == ['rmse', 'mae', 'perplexity', 'valLoss', 'top1_err', 'brier_score', 'BrierScore']
 
 
 @pytest.mark.parametrize('cls', [TrackerCallback, EarlyStopping, ReduceLROnPlateau, SaveModel])

@@ -89,7 +89,8 @@ def _behind(learn, epochs_done):
 def _progress(learn, rows):
     epochs_done, batches_done = divmod(learn.train_iter, len(learn.dls.train))
     rows_complete = rows is None or len(rows) == epochs_done
-    epoch_start = _epoch_start(learn, epochs_done) if batches_done else None
+    # the epoch under way, also in its first batch: its loader has drawn the epoch's order already
+    epoch_start = _epoch_start(learn, epochs_done) if learn.epoch == epochs_done else None
     behind = _behind(learn, epochs_done)
     return {'epochs_done': epochs_done, 'batches_done': batches_done, 'behind': behind,
             'epoch_start': epoch_start and epoch_start['train'],
@@ -286,16 +287,17 @@ class Resume(Callback):
 
     def before_fit(self):
         restore_checkpoint(self.learn, self.state)
-        self._epoch_in_progress = self.state['recorder'] if self.state['progress']['batches_done'] else None
+        progress = self.state['progress']
+        self._epoch_in_progress = self.state['recorder'] if progress['batches_done'] else None
+        # The epoch's order may be drawn from the global generators (a sampler without its own generator) and the
+        # skipped batches may draw from them too (augmentation): the epoch starts again from its start's states (as a
+        # ResumePoints notes them again), and the checkpoint's batch boundary comes back once the skipped are drawn.
+        if progress['batches_done'] and progress.get('epoch_start_rng'):
+            set_rng_states(progress['epoch_start_rng'], warn=False)
 
     def before_train(self):
         if self._epoch_in_progress is not None:
             if _has_recorder(self.learn): self.recorder.load_epoch_in_progress(self._epoch_in_progress)
-            # The epoch's order may be drawn from the global generators (a sampler without its own generator) and
-            # the skipped batches may draw from them too (augmentation): both are drawn again from the epoch's start,
-            # and the states of the checkpoint's batch boundary are put back before the first batch after it is drawn.
-            epoch_start_rng = self.state['progress'].get('epoch_start_rng')
-            if epoch_start_rng: set_rng_states(epoch_start_rng, warn=False)
             self.learn.dl = SkipBatches(self.learn.dl, self.state['progress']['batches_done'], self._restore_rng)
         self._epoch_in_progress = None
 
@@ -427,5 +429,11 @@ def cleanup_fit(self:Checkpoint):
     self._in_batch, self._ended = False, True  # a later error (a validation alone) finds nothing of this fit's to do
     if process_rank() != 0: return
     path = self.learn.save_checkpoint(self.folder / 'interrupted.pt', rng)
+    if not read_checkpoint(path)['progress']['resumable']:  # during a validation: its rows would be incomplete
+        resume = self.latest if self.latest.exists() else None
+        print(f"Checkpoint: the fit was interrupted outside a training phase; {path} holds its weights "
+              f"(`learn.load_checkpoint(path)`)" + (f", and {resume} the end of its last epoch, to resume from" if resume
+                                                    else ''))
+        return
     call, condition = resume_call(self.n_epoch, path, [s.fit_call for s in fit_schedules(self.learn)])
     print(f"Checkpoint: the fit was interrupted; `{call}` continues it{condition}")

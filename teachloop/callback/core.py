@@ -217,7 +217,7 @@ class Recorder(Callback):
         else:
             self._valid_losses.append(learn.loss)
             self._valid_sizes.append(size)
-            self._valid_metrics.append([m(learn.pred, learn.y) for m in self._averaged])
+            self._valid_metrics.append([m(_full_precision(learn.pred), learn.y) for m in self._averaged])
             for m in self._accumulated: m.accumulate(learn)
 
     @property
@@ -400,11 +400,10 @@ class MixedPrecision(Callback):
                 ):
         if sync_free not in (None, True, False): raise ValueError(f"sync_free must be None, True or False, got {sync_free!r}")
         self.dtype, self.sync_free, self.scaler, self._saved_scaler = dtype, sync_free, None, None
-        self.skipped, self._undo, self._pending = 0, None, None
+        self.skipped, self._undo, self._pending, self._autocast, self.device_type = 0, None, None, None, None
 
     def before_fit(self):
-        self.device_type = next(self.model.parameters()).device.type
-        if self.dtype is None: self.dtype = torch.float16 if self.device_type == 'cuda' else torch.bfloat16
+        self._choose_types()
         self.scaler = torch.amp.GradScaler(self.device_type) if self.dtype == torch.float16 else None
         if self.scaler is not None and self._saved_scaler is not None: self.scaler.load_state_dict(self._saved_scaler)
         self._saved_scaler, self._autocast, self.skipped, self._undo, self._pending = None, None, 0, None, None
@@ -415,6 +414,7 @@ class MixedPrecision(Callback):
 
     def before_batch(self):
         self._unscaled = False
+        if self.device_type is None: self._choose_types()  # a validation or get_preds before any fit
         self._autocast = torch.autocast(self.device_type, dtype=self.dtype)
         self._autocast.__enter__()
 
@@ -433,6 +433,12 @@ class MixedPrecision(Callback):
 
 # %% ../../nbs/05_callbacks.ipynb #m02
 from ..learner import CancelStepException
+
+@patch
+def _choose_types(self:MixedPrecision):
+    "The device type of the model's parameters now and, unless given, the dtype for it."
+    self.device_type = next(self.model.parameters()).device.type
+    if self.dtype is None: self.dtype = torch.float16 if self.device_type == 'cuda' else torch.bfloat16
 
 def _has_grads(opt):
     return any(p.grad is not None for group in opt.param_groups for p in group['params'])
@@ -588,6 +594,10 @@ def _means_over_processes(self:Recorder, columns):
     sums = [(_stack(c).double().cpu() * sizes).sum() if c else torch.zeros((), dtype=torch.float64) for c in columns]
     totals = self.learn.processes.sum(torch.stack(sums + [sizes.sum()]))
     return list((totals[:-1] / totals[-1]).unbind())
+
+def _full_precision(pred):
+    "A float16 or bfloat16 output (under mixed precision) in float32, as a metric expects; anything else as it is."
+    return pred.float() if isinstance(pred, torch.Tensor) and pred.dtype in (torch.float16, torch.bfloat16) else pred
 
 # %% ../../nbs/05_callbacks.ipynb #u04
 def _cpu_tensor(tensors): return torch.cat([t.detach().cpu().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)

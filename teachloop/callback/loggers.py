@@ -149,7 +149,12 @@ def _open_writer(self:TensorBoardLogger):
     "The run's writer; resuming, it hides what the interrupted fit wrote from this step on (under the hood, below)."
     return self._writer_class(str(self.run_dir), purge_step=self.train_iter if self._resumed else None)
 
-def _new_run_dir(): return Path('runs') / f"{datetime.now():%b%d_%H-%M-%S}_{socket.gethostname()}"  # SummaryWriter's
+def _new_run_dir():
+    "A new folder under runs/, named as SummaryWriter names it, with `_2`, `_3`, ... for fits started in one second."
+    base = Path('runs') / f"{datetime.now():%b%d_%H-%M-%S}_{socket.gethostname()}"
+    path, n = base, 1
+    while path.exists(): n, path = n + 1, base.with_name(f'{base.name}_{n + 1}')
+    return path
 
 def _group_hypers(opt):
     "The numeric hyper-parameters of each parameter group, by teachloop's names (a torch optimizer's: its own)."

@@ -585,6 +585,21 @@ def _rows_hidden(learn):
     finally:
         if progress is not None: progress.print_rows = shown
 
+# %% ../../nbs/06_schedule.ipynb #c043s
+def _acts_on_the_fit(cb):
+    "Whether `cb` would record, write, steer or stop a range test: an observer, a hyper-parameter writer, a tracker."
+    if cb.name in ('recorder', 'progress'): return False
+    writes = callable(getattr(type(cb), 'hypers_written', None)) and cb.hypers_written()
+    return cb.observes or bool(writes) or type(cb).caught_up is not Callback.caught_up
+
+@contextmanager
+def _set_aside(learn):
+    "Remove the callbacks that would act on a range test for the block, and add them back after it."
+    aside = [cb for cb in learn.cbs if _acts_on_the_fit(cb)]
+    learn.remove_cbs(aside)
+    try: yield
+    finally: learn.add_cbs(aside)
+
 # %% ../../nbs/06_schedule.ipynb #c044
 def _check_lr_find_args(start_lr, end_lr, num_it, suggest_funcs):
     for name, value in (('start_lr', start_lr), ('end_lr', end_lr)):
@@ -610,7 +625,7 @@ def lr_find(self:Learner,
     train = self.dls.train
     n_epoch = math.ceil(num_it / len(train)) if hasattr(train, '__len__') else num_it
     finder = LRFinder(start_lr, end_lr, num_it, stop_div)
-    with self.exclusive('lr_find'), state_restored(self), _rows_hidden(self), _history_kept(self):
+    with self.exclusive('lr_find'), _set_aside(self), state_restored(self), _rows_hidden(self), _history_kept(self):
         self.dls = DataLoaders(train, None)
         self.fit(n_epoch, cbs=[finder])
     self.lr_range_test = finder  # the Recorder keeps the last real fit, so the search's own values are kept here

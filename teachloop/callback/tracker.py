@@ -19,7 +19,7 @@ __all__ = ['LOWER_IS_BETTER', 'HIGHER_IS_BETTER', 'EarlyStoppingCallback', 'Save
            'SaveModel', 'EarlyStopping', 'ReduceLROnPlateau']
 
 # %% ../../nbs/13a_trackers.ipynb #m01
-LOWER_IS_BETTER = {'loss', 'error', 'err', 'mse', 'rmse', 'mae', 'perplexity'}
+LOWER_IS_BETTER = {'loss', 'error', 'err', 'mse', 'rmse', 'mae', 'perplexity', 'brier'}
 HIGHER_IS_BETTER = {'accuracy', 'acc', 'f1', 'fbeta', 'auc', 'roc', 'precision', 'recall', 'r2', 'dice', 'iou',
                     'jaccard', 'score'}
 
@@ -28,6 +28,7 @@ def monitor_mode(monitor):
     if not isinstance(monitor, str): raise TypeError(f"monitor must be a recorded value's name, got {monitor!r}")
     words = set(re.findall(r'[a-z0-9]+', re.sub(r'([a-z0-9])([A-Z])', r'\1_\2', monitor).lower()))
     lower, higher = words & LOWER_IS_BETTER, words & HIGHER_IS_BETTER
+    if lower: higher -= {'score'}  # a score of something to lower: the Brier score
     if lower and not higher: return 'min'
     if higher and not lower: return 'max'
     said = f"both {sorted(lower)} (lower is better) and {sorted(higher)} (higher)" if lower else "no word of either kind"

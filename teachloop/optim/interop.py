@@ -114,6 +114,10 @@ def freeze_to(target, n):
 
 def freeze(target):
     "Train only the last parameter group."
+    if len(parameter_groups(target)) == 1:
+        raise ValueError("freeze trains only the last parameter group, and there is one: nothing would be frozen. Give "
+                         "the learner a splitter that puts the body and the head in two groups, e.g. "
+                         "splitter=lambda m: [list(m[:-1].parameters()), list(m[-1].parameters())]")
     freeze_to(target, -1)
 
 def unfreeze(target):

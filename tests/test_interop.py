@@ -380,3 +380,13 @@ def test_freeze_with_one_parameter_group_is_refused_saying_how_to_split():
     before = [p.requires_grad for p in learn.model.parameters()]
     with pytest.raises(ValueError, match='nothing would be frozen.*splitter'): learn.freeze()
     assert [p.requires_grad for p in learn.model.parameters()] == before
+
+
+def test_fit_one_cycle_leaves_a_torch_optimizers_momentum_off_when_it_is_off():
+    "torch's SGD with momentum=0 takes no momentum: the cycle of `moms` is not switched on for it (it is for Adam's β1)."
+    sgd = digits_learner(opt_func=torch.optim.SGD, lr=0.05)
+    sgd.fit_one_cycle(1)
+    assert [g['momentum'] for g in sgd.opt.opt.param_groups] == [0] and set(sgd.recorder.hps['mom']) == {0}
+    adam = digits_learner(opt_func=torch.optim.Adam, lr=1e-3)
+    adam.fit_one_cycle(1)
+    assert min(adam.recorder.hps['mom']) < 0.86 and max(adam.recorder.hps['mom']) == 0.95

@@ -176,7 +176,10 @@ def _hyper_values(opt):
 def hypers_read(opt):
     "The hyper-parameters `opt`'s step reads: those its callbacks name as arguments (a torch optimizer: all of them)."
     cbs = getattr(opt, 'cbs', None)
-    if cbs is None: return set(opt.hypers[0])
+    if cbs is None:  # a torch optimizer: all of them, but a momentum that is off (SGD's or RMSprop's momentum=0)
+        groups = getattr(getattr(opt, 'opt', opt), 'param_groups', [])
+        off = {'mom'} if groups and all(g.get('momentum', 1) == 0 for g in groups) else set()
+        return set(opt.hypers[0]) - off
     names = set()
     for cb in cbs:
         while isinstance(cb, partial): cb = cb.func
@@ -299,6 +302,10 @@ def _whole_set_value(self:Recorder, metric):
     value = metric.value
     metric.reset()
     return torch.tensor(float('nan')) if value is None else _metric_tensor(value, metric)
+
+def _full_precision(pred):
+    "A float16 or bfloat16 output (under mixed precision) in float32, as a metric expects; anything else as it is."
+    return pred.float() if isinstance(pred, torch.Tensor) and pred.dtype in (torch.float16, torch.bfloat16) else pred
 
 # %% ../../nbs/05_callbacks.ipynb #c016
 def smoothing_window(n_batches, beta=0.98):
@@ -594,10 +601,6 @@ def _means_over_processes(self:Recorder, columns):
     sums = [(_stack(c).double().cpu() * sizes).sum() if c else torch.zeros((), dtype=torch.float64) for c in columns]
     totals = self.learn.processes.sum(torch.stack(sums + [sizes.sum()]))
     return list((totals[:-1] / totals[-1]).unbind())
-
-def _full_precision(pred):
-    "A float16 or bfloat16 output (under mixed precision) in float32, as a metric expects; anything else as it is."
-    return pred.float() if isinstance(pred, torch.Tensor) and pred.dtype in (torch.float16, torch.bfloat16) else pred
 
 # %% ../../nbs/05_callbacks.ipynb #u04
 def _cpu_tensor(tensors): return torch.cat([t.detach().cpu().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)

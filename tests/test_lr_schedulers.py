@@ -289,3 +289,13 @@ def test_the_steering_callback_wins_while_a_slider_is_held(schedule):
     steered.fit(2, cbs=[schedule(), steering, SlideLR(steering.controls, hold=3, release=6)])
     lrs, expected = steered.recorder.hps['lr'], plain.recorder.hps['lr']
     assert lrs[:3] == expected[:3] and lrs[3:6] == [0.5] * 3 and lrs[6:] == expected[6:]
+
+
+@pytest.mark.parametrize('chain', [torch.optim.lr_scheduler.SequentialLR, torch.optim.lr_scheduler.ChainedScheduler])
+def test_a_chain_of_schedulers_is_refused_with_the_schedule_that_does_it(chain):
+    "Their inner schedulers need the optimizer, which exists only when the fit starts: combine_scheds chains schedules."
+    with pytest.raises(ValueError, match=r'combine_scheds\(\[0.1, 0.9\]') as caught: LRSchedulerCallback(chain, [])
+    from teachloop.callback.schedule import ParamScheduler, annealing_cos, annealing_linear, combine_scheds  # noqa: F401
+    from functools import partial  # noqa: F401
+    code = str(caught.value).split('chain the schedules themselves: ')[1]
+    assert isinstance(eval(code), ParamScheduler)  # the advice runs as written

@@ -384,6 +384,11 @@ def check_scheduler_args(scheduler_cls, args, kwargs, step):
         raise TypeError(f"LRSchedulerCallback takes a class of torch.optim.lr_scheduler and its arguments, e.g. "
                         f"LRSchedulerCallback(StepLR, step_size=2), got {scheduler_cls!r}: it builds the scheduler on "
                         "the learner's optimizer when the fit starts")
+    if issubclass(scheduler_cls, (torch.optim.lr_scheduler.SequentialLR, torch.optim.lr_scheduler.ChainedScheduler)):
+        raise ValueError(f"{scheduler_cls.__name__} chains schedulers built on the optimizer, which the callback makes "
+                         "only when the fit starts; chain the schedules themselves: ParamScheduler({'lr': "
+                         "combine_scheds([0.1, 0.9], [partial(annealing_linear, 1e-4, 1e-2), "
+                         "partial(annealing_cos, 1e-2, 1e-5)])})")
     if 'metrics' in inspect.signature(scheduler_cls.step).parameters:
         raise ValueError(f"{scheduler_cls.__name__} steps on a monitored value (`step(metrics)`), which a schedule does "
                          "not have; use teachloop's ReduceLROnPlateau callback (teachloop.callback.tracker), which "

@@ -482,3 +482,21 @@ def test_metrics_see_float32_predictions_under_mixed_precision():
     learn.fit(1)
     row = dict(zip(learn.recorder.metric_names, learn.recorder.values[-1]))
     assert set(seen) == {torch.float32} and 0 <= row['numpy_accuracy'] <= 1
+
+
+def test_two_metrics_of_one_name_are_refused_before_the_fit():
+    from functools import partial
+    from teachloop.callback.core import AccumMetric
+    from teachloop.testing import digits_learner
+    from sklearn.metrics import f1_score
+    macro = AccumMetric(partial(f1_score, average='macro'), dim_argmax=-1, to_np=True, name='f1_score')
+    micro = AccumMetric(partial(f1_score, average='micro'), dim_argmax=-1, to_np=True, name='f1_score')
+    learn = digits_learner(metrics=[macro, micro])
+    before = [p.clone() for p in learn.model.parameters()]
+    with pytest.raises(ValueError, match=r"named \['f1_score'\]"): learn.fit(1)
+    assert all(torch.equal(a, b) for a, b in zip(before, learn.model.parameters())) and learn.recorder.values == []
+    def valid_loss(pred, y): return 0.
+    with pytest.raises(ValueError, match=r"named \['valid_loss'\]"): digits_learner(metrics=[valid_loss]).fit(1)
+    micro.name = 'f1_micro'
+    learn.fit(1)
+    assert learn.recorder.metric_names[3:5] == ['f1_score', 'f1_micro']

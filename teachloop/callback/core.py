@@ -631,6 +631,15 @@ def load_epoch_in_progress(self:Recorder, state):
     "Take the losses of the epoch in progress that `state_dict` saved (a fit resumed mid-epoch)."
     self._epoch_losses, self._epoch_sizes = list(state['epoch_losses'].unbind()), list(state['epoch_sizes'])
 
+# %% ../../nbs/05_callbacks.ipynb #u04n
+@patch
+def check_fit(self:Recorder):
+    "Refuse metrics that share a column name, before the fit changes anything."
+    names = [_metric_name(m) for m in self.learn.metrics]
+    clash = sorted({n for n in names if names.count(n) > 1} | ({'epoch', 'train_loss', 'valid_loss', 'time'} & set(names)))
+    if clash: raise ValueError(f"two of the recorded columns would be named {clash}: give each metric a name of its own "
+                               "(AccumMetric(..., name='f1_macro'), or a function of another name)")
+
 # %% ../../nbs/05_callbacks.ipynb #um03
 def _rows_of_every_process(tensor, processes, name):
     "Every process's `tensor` one after the other, in rank order, in each process: two sums over `processes`."

@@ -18,6 +18,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH_SPEC)
 	$(BIN)/python -m pip install -q -e ".[dev]"
+	@# nbdev-export imports the processor that writes the parameters' comments into the docstrings (tools/)
+	$(BIN)/python -c 'import pathlib, sysconfig; pathlib.Path(sysconfig.get_path("purelib"), "teachloop-tools.pth").write_text(str(pathlib.Path("tools").resolve()) + "\n")'
 	touch $(STAMP)
 
 ## Train a small CNN on handwritten digits and write a picture of the training.

@@ -102,7 +102,12 @@ def several_processes():
 def written_by_rank_zero(write,  # a function writing a file, run in the process of rank 0 only
                          what,  # what it writes, for the other processes' error message
                         ):
-    "Run `write()` in the process of rank 0 while the others wait for it; an error there stops every process."
+    """Run `write()` in the process of rank 0 while the others wait for it; an error there stops every process.
+
+    Args:
+        write: a function writing a file, run in the process of rank 0 only
+        what: what it writes, for the other processes' error message
+    """
     if not several_processes(): return write()
     dist = torch.distributed
     error = None

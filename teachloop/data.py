@@ -16,7 +16,12 @@ __all__ = ['DataLoaders', 'load_digits_tensors', 'split_by_seed', 'tensor_dls', 
 
 # %% ../nbs/00_data.ipynb #c003
 class DataLoaders:
-    "A training and a validation iterable of `(x, y)` batches."
+    """A training and a validation iterable of `(x, y)` batches.
+
+    Args:
+        train: batches the model learns from
+        valid: batches it is measured on; `None` skips validation
+    """
     def __init__(self,
                  train,  # batches the model learns from
                  valid=None,  # batches it is measured on; `None` skips validation
@@ -54,7 +59,11 @@ def split_by_seed(n, valid_pct=0.2, seed=42):
 def tensor_dls(x, y, bs=64, valid_pct=0.2, seed=42,
                shuffle_seed=None,  # the seed of the training batches' order; None: `seed`
                **kwargs):
-    "`DataLoaders` over tensors `x`, `y`, split by `seed`; training batches shuffled by a generator of their own."
+    """`DataLoaders` over tensors `x`, `y`, split by `seed`; training batches shuffled by a generator of their own.
+
+    Args:
+        shuffle_seed: the seed of the training batches' order; None: `seed`
+    """
     if len(x) != len(y): raise ValueError(f"x and y must have the same length, got {len(x)} and {len(y)}")
     train_idx, valid_idx = split_by_seed(len(x), valid_pct, seed)
     shuffle_seed = seed if shuffle_seed is None else shuffle_seed
@@ -66,7 +75,11 @@ def tensor_dls(x, y, bs=64, valid_pct=0.2, seed=42,
 def digits_dls(bs=64, valid_pct=0.2, seed=42,
                shuffle_seed=None,  # the seed of the training batches' order; None: `seed`
                **kwargs):
-    "Handwritten digits (scikit-learn's offline copy) as `DataLoaders`, split by `seed`, shuffled by `shuffle_seed`."
+    """Handwritten digits (scikit-learn's offline copy) as `DataLoaders`, split by `seed`, shuffled by `shuffle_seed`.
+
+    Args:
+        shuffle_seed: the seed of the training batches' order; None: `seed`
+    """
     return tensor_dls(*load_digits_tensors(), bs=bs, valid_pct=valid_pct, seed=seed, shuffle_seed=shuffle_seed, **kwargs)
 
 # %% ../nbs/00_data.ipynb #c013

@@ -38,7 +38,15 @@ def figure_png(fig) -> bytes:
 
 # %% ../nbs/00c_figures.ipynb #c025
 class FigureWidget:
-    "A matplotlib figure that `update` redraws from the values of ipywidgets controls, shown as a PNG image."
+    """A matplotlib figure that `update` redraws from the values of ipywidgets controls, shown as a PNG image.
+
+    Args:
+        fig: the `matplotlib.figure.Figure` whose artists `update` changes
+        controls: dict of name -> ipywidgets control; their values go to `update` by name
+        dynamic: the artists `update` changes; the rest is drawn once and reused as a background
+        extras: more widgets for the row of controls (buttons)
+        dpi: resolution of the image
+    """
     _holding = False
 
     def __init__(self,

@@ -78,7 +78,13 @@ def export(self:Learner,
            vocab=None,  # the names of the classes, in the order of the model's outputs
            example=None,  # a batch as the loaders give it, or a tensor of inputs (None: the first validation batch)
           ):
-    "Write what inference needs to `path`: the model as a `torch.export` program, and `inference_facts` as JSON."
+    """Write what inference needs to `path`: the model as a `torch.export` program, and `inference_facts` as JSON.
+
+    Args:
+        path: the file to write (a folder: `export.pt2` in it)
+        vocab: the names of the classes, in the order of the model's outputs
+        example: a batch as the loaders give it, or a tensor of inputs (None: the first validation batch)
+    """
     path = check_save_path(path, 'export.pt2', 'export path')
     with self.exclusive('export'):  # not while a fit in another thread trains the model
         inputs = example_inputs(self, example)
@@ -133,7 +139,11 @@ class InferenceLearner:
 def load_learner(path,
                  trust=False,  # skip `check_archive`: only for a file from someone you trust
                 ):
-    "The `InferenceLearner` that `Learner.export` wrote to `path`, on the CPU; unless `trust`, checked first."
+    """The `InferenceLearner` that `Learner.export` wrote to `path`, on the CPU; unless `trust`, checked first.
+
+    Args:
+        trust: skip `check_archive`: only for a file from someone you trust
+    """
     if not trust: check_archive(path)
     program, facts = read_export(path)
     return InferenceLearner(program.module(), facts)

@@ -190,7 +190,24 @@ def _add_note(exc, note):
 
 # %% ../nbs/04_learner.ipynb #c016
 class Learner:
-    "Train `model` on `dls` with `loss_func` and an optimizer from `opt_func`, firing events for callbacks."
+    """Train `model` on `dls` with `loss_func` and an optimizer from `opt_func`, firing events for callbacks.
+
+    Args:
+        dls: `DataLoaders`: has `.train` and `.valid` iterables of (x, y) batches
+        model: the model to train
+        loss_func: `loss_func(pred, target)` -> scalar tensor
+        opt_func: `opt_func(param_groups, lr=lr)` -> optimizer
+        lr: default learning rate (a number, or a slice spread over parameter groups)
+        cbs: callbacks added to the defaults
+        metrics: functions `f(pred, target)` -> tensor, averaged over the validation set
+        wd: weight decay given to the optimizer (None: the optimizer's default)
+        moms: momentum at start, middle and end of `fit_one_cycle`
+        splitter: model -> list of parameter lists, one per group
+        default_cbs: add the callbacks in `DEFAULT_CALLBACKS` (train/eval; device, recorder, progress bar)
+        wd_bn_bias: weight decay on normalisation layers and biases too (False: on the other weights only)
+        train_bn: keep normalisation layers training when the model is frozen (see `freeze_to`)
+        n_inp: how many items of a batch are the model's inputs, the rest targets (None: all but the last)
+    """
     def __init__(self,
                  dls,  # `DataLoaders`: has `.train` and `.valid` iterables of (x, y) batches
                  model:nn.Module,  # the model to train
@@ -419,7 +436,16 @@ def fit(self:Learner,
         reset_opt=False,  # create a fresh optimizer (forgetting its state) first
         resume=None,  # path of a checkpoint to continue from (`teachloop.callback.checkpoint` adds this)
        ):
-    "Train for `n_epoch` epochs."
+    """Train for `n_epoch` epochs.
+
+    Args:
+        n_epoch: number of passes over the training data
+        lr: learning rate for this fit (number or slice); None keeps the optimizer's
+        wd: weight decay for this fit; None keeps the optimizer's
+        cbs: callbacks used for this fit only
+        reset_opt: create a fresh optimizer (forgetting its state) first
+        resume: path of a checkpoint to continue from (`teachloop.callback.checkpoint` adds this)
+    """
     with self.exclusive('fit'): self._fit(n_epoch, lr, wd, callback_list(cbs), reset_opt, resume)
 
 # %% ../nbs/04_learner.ipynb #c025b
@@ -511,7 +537,14 @@ def get_preds(self:Learner,
               with_decoded=False,  # return the decoded predictions too, last (`loss_decodes`)
               act=None,  # applied to the model's output; None: the loss's activation (`loss_activation`)
              ):
-    "`(inputs, predictions, targets, decoded)` over `dl` on the CPU: inputs and decoded on request, targets None if none."
+    """`(inputs, predictions, targets, decoded)` over `dl` on the CPU: inputs and decoded on request, targets None if none.
+
+    Args:
+        dl: a data loader (default: the validation set); its batches may hold inputs only
+        with_input: return the inputs too, first
+        with_decoded: return the decoded predictions too, last (`loss_decodes`)
+        act: applied to the model's output; None: the loss's activation (`loss_activation`)
+    """
     if dl is None and self.dls.valid is None: raise ValueError("there is no validation set: pass `dl`")
     gather = GatherPreds(with_input)
     with self.exclusive('get_preds'), self.added_cbs([gather]):
@@ -527,7 +560,11 @@ def get_preds(self:Learner,
 def predict(self:Learner,
             item,  # the model's inputs for one example, without a batch dimension: a tensor, or a tuple of them
            ):
-    "`(decoded, probabilities)` of one item, as `get_preds` makes them."
+    """`(decoded, probabilities)` of one item, as `get_preds` makes them.
+
+    Args:
+        item: the model's inputs for one example, without a batch dimension: a tensor, or a tuple of them
+    """
     with self.exclusive('predict'):
         try: preds, _, decoded = self.get_preds(dl=[_batch_of_one(self, item)], with_decoded=True)
         except TypeError as e:
@@ -858,7 +895,11 @@ from .optim import interop
 def freeze_to(self:Learner,
               n:int,  # the first group that trains (negative: counted from the end)
              ):
-    "Train only the parameter groups from index `n` on (see `teachloop.optim.interop.freeze_to`)."
+    """Train only the parameter groups from index `n` on (see `teachloop.optim.interop.freeze_to`).
+
+    Args:
+        n: the first group that trains (negative: counted from the end)
+    """
     interop.freeze_to(self, n)
 
 @patch

@@ -19,7 +19,12 @@ __all__ = ['set_seed', 'same_state', 'saveable_rng', 'rng_readers', 'rng_states'
 def set_seed(seed:int,  # the seed for every generator
              deterministic=False,  # also make PyTorch use deterministic algorithms (slower on a GPU)
             ):
-    "Seed Python's `random`, numpy and torch (CPU and every CUDA device)."
+    """Seed Python's `random`, numpy and torch (CPU and every CUDA device).
+
+    Args:
+        seed: the seed for every generator
+        deterministic: also make PyTorch use deterministic algorithms (slower on a GPU)
+    """
     if isinstance(seed, bool) or not isinstance(seed, int): raise TypeError(f"seed must be an int, got {seed!r}")
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -82,7 +87,11 @@ def rng_states(host=True):
 def set_rng_states(states,
                    warn=True,  # warn of the generators that could not be restored (they are returned either way)
                   ):
-    "Put every generator back in the state `rng_states` (or `saveable_rng`) read; warn of, and return, what could not be."
+    """Put every generator back in the state `rng_states` (or `saveable_rng`) read; warn of, and return, what could not be.
+
+    Args:
+        warn: warn of the generators that could not be restored (they are returned either way)
+    """
     torch.set_rng_state(states['torch'])
     if 'numpy' in states:
         np.random.set_state(_from_plain(states['numpy']))

@@ -28,7 +28,17 @@ def tiny_dls(n_batches=2,  # training batches
              valid_bs=None,  # items per validation batch (None: `bs`)
              dtype=None,  # the dtype of inputs and targets (None: as drawn, torch's default)
             ):
-    "A few batches of a noisy linear regression with two inputs, as lists of `(x, y)`."
+    """A few batches of a noisy linear regression with two inputs, as lists of `(x, y)`.
+
+    Args:
+        n_batches: training batches
+        bs: items per training batch
+        valid: with the validation batches
+        seed: the seed of the data
+        valid_batches: validation batches
+        valid_bs: items per validation batch (None: `bs`)
+        dtype: the dtype of inputs and targets (None: as drawn, torch's default)
+    """
     valid_bs = bs if valid_bs is None else valid_bs
     x, y = regression_2d(n=bs * n_batches + valid_bs * valid_batches, seed=seed)
     if dtype is not None: x, y = x.to(dtype), y.to(dtype)
@@ -53,7 +63,18 @@ def tiny_learner(*cbs,  # callbacks for the learner
                  dls=None,  # the data (None: `tiny_dls(n_batches)`)
                  **kwargs,  # more arguments for `Learner`
                 ):
-    "A linear model on `tiny_dls`: a learner whose every step can be checked by hand."
+    """A linear model on `tiny_dls`: a learner whose every step can be checked by hand.
+
+    Args:
+        cbs: callbacks for the learner
+        n_batches: training batches of `tiny_dls`
+        opt_func: the optimizer
+        lr: its learning rate
+        seed: the seed of every generator, and so of the model's weights
+        default_cbs: add the default callbacks (recorder, progress bar, ...)
+        dls: the data (None: `tiny_dls(n_batches)`)
+        kwargs: more arguments for `Learner`
+    """
     set_seed(seed)
     learn = Learner(tiny_dls(n_batches) if dls is None else dls, nn.Linear(2, 1), nn.functional.mse_loss,
                     opt_func=opt_func, lr=lr, cbs=list(cbs), default_cbs=default_cbs, **kwargs)
@@ -67,7 +88,16 @@ def digits_learner(*cbs,  # callbacks for the learner
                    model_fn=digits_cnn,  # makes the model, called once the seed is set
                    **kwargs,  # more arguments for `Learner`
                   ):
-    "The small CNN on the handwritten digits, quiet: a real network that trains in seconds on a CPU."
+    """The small CNN on the handwritten digits, quiet: a real network that trains in seconds on a CPU.
+
+    Args:
+        cbs: callbacks for the learner
+        seed: the seed of every generator, and so of the model's weights
+        bs: batch size
+        lr: learning rate
+        model_fn: makes the model, called once the seed is set
+        kwargs: more arguments for `Learner`
+    """
     set_seed(seed)
     learn = Learner(digits_dls(bs=bs), model_fn(), nn.functional.cross_entropy, lr=lr, cbs=list(cbs), **kwargs)
     return quiet(learn)
@@ -76,5 +106,10 @@ def digits_learner(*cbs,  # callbacks for the learner
 def digits_batches(n,  # how many batches
                    bs=64,  # items per batch
                   ):
-    "The first `n` training batches of the digits, one epoch's batches repeated in the same order."
+    """The first `n` training batches of the digits, one epoch's batches repeated in the same order.
+
+    Args:
+        n: how many batches
+        bs: items per batch
+    """
     return list(itertools.islice(itertools.cycle(list(digits_dls(bs=bs).train)), n))

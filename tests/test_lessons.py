@@ -103,3 +103,52 @@ def test_no_lesson_uses_a_name_before_the_notebook_that_explains_it():
         found = {n for n in imported_names(notebook(stem)) if n in where and rank.get(where[n], -1) > rank[stem]}
         if found: early[stem] = found
     assert not early, early
+
+
+MIN_EXERCISES, MAX_EXERCISES, MIN_SOLUTIONS = 4, 8, 2
+
+
+def exercises(nb):
+    "The cells of a notebook's \"Exercises\" section (a level-2 heading, up to the next heading of its level or above)."
+    inside, cells = False, []
+    for c in nb.cells:
+        if c.cell_type == 'markdown':
+            for m in re.finditer(r'^(#+)\s+(.*)$', c.source, re.MULTILINE):
+                if len(m.group(1)) <= 2: inside = m.group(2).strip() == 'Exercises'
+        if inside: cells.append(c)
+    return cells
+
+
+def is_solution(cell): return cell.cell_type == 'code' and re.match(r'#\|\s*solution\b', cell.source) is not None
+
+
+def numbered_items(cells):
+    "The numbers of the items in the markdown cells (`1. ...` at the start of a line)."
+    return [int(m.group(1)) for c in cells if c.cell_type == 'markdown'
+            for m in re.finditer(r'^(\d+)\.\s', c.source, re.MULTILINE)]
+
+
+def test_exercises_are_read_from_their_section_only():
+    cells = [nbformat.v4.new_markdown_cell(s) if not s.startswith('#|') else nbformat.v4.new_code_cell(s)
+             for s in ['# A lesson', '1. not an exercise', '## Exercises', '1. first\n2. second', '#| solution\nassert 1',
+                       '3. third', '## Under the hood: more', '4. not one either']]
+    found = exercises(nbformat.v4.new_notebook(cells=cells))
+    assert numbered_items(found) == [1, 2, 3] and [c.source for c in found if is_solution(c)] == ['#| solution\nassert 1']
+
+
+@pytest.mark.parametrize('stem', COURSE)
+def test_every_lesson_ends_with_exercises_whose_solutions_check_their_answers(stem):
+    "Questions and experiments numbered 1..n (4 to 8); solutions are code cells marked `#| solution` with an assert."
+    if stem not in lessons(): return
+    nb = notebook(stem)
+    cells = exercises(nb)
+    assert cells, f"{stem}: no '## Exercises' section"
+    items = numbered_items(cells)
+    assert items == list(range(1, len(items) + 1)), f"{stem}: exercises numbered {items}, not 1..n"
+    assert MIN_EXERCISES <= len(items) <= MAX_EXERCISES, f"{stem}: {len(items)} exercises"
+    solutions = [c for c in cells if is_solution(c)]
+    assert len(solutions) >= MIN_SOLUTIONS, f"{stem}: {len(solutions)} solution cells, at least {MIN_SOLUTIONS} wanted"
+    unchecked = [c.id for c in solutions if not re.search(r'^\s*assert\b', c.source, re.MULTILINE)]
+    assert not unchecked, f"{stem}: solution cells without an assert: {unchecked}"
+    stray = [c.id for c in nb.cells if is_solution(c) and c not in cells]
+    assert not stray, f"{stem}: solution cells outside the exercises: {stray}"

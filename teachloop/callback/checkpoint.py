@@ -42,7 +42,11 @@ def _has_recorder(learn): return any(cb.name == 'recorder' for cb in learn.cbs)
 def checkpoint_state(learn,
                      rng=None,  # the random states to keep; None: those of the batch boundary, or as they are now
                     ):
-    "Everything needed to continue `learn`'s fit exactly: weights, optimizer, callbacks, history, random states, progress."
+    """Everything needed to continue `learn`'s fit exactly: weights, optimizer, callbacks, history, random states, progress.
+
+    Args:
+        rng: the random states to keep; None: those of the batch boundary, or as they are now
+    """
     if learn.opt is None: learn.create_opt()
     rows = epoch_rows(learn) if _has_recorder(learn) else None
     stateful = _stateful_callbacks(learn)
@@ -61,7 +65,12 @@ def save_checkpoint(self:Learner,
                     path,  # the file to write
                     rng=None,  # the random states to keep; None: those of the batch boundary, or as they are now
                    ):
-    "Write everything `fit(..., resume=path)` needs to continue exactly to `path`, atomically; return the path."
+    """Write everything `fit(..., resume=path)` needs to continue exactly to `path`, atomically; return the path.
+
+    Args:
+        path: the file to write
+        rng: the random states to keep; None: those of the batch boundary, or as they are now
+    """
     atomic_save(checkpoint_state(self, rng), path)
     return path
 
@@ -241,8 +250,6 @@ def restore_checkpoint(learn, state):
         for generator, s in zip(loader_generators(getattr(learn.dls, name)), saved): generator.set_state(s)
     learn.train_iter, learn.pct_train = progress['train_iter'], progress['pct_train']
     learn.start_epoch = progress['epochs_done']
-    for scheduler, record in zip(fit_schedules(learn), state.get('schedules') or []):
-        scheduler.hps = {name: v[:progress['train_iter']].tolist() for name, v in record['values'].items()}
     set_rng_states(state['rng'])
 
 @patch
@@ -255,7 +262,13 @@ def load_checkpoint(self:Learner, path):
 
 # %% ../../nbs/13_checkpoint.ipynb #c015s
 class SkipBatches:
-    "A data loader's batches after its first `skipped`, which are drawn (so that the order stays the same) and dropped."
+    """A data loader's batches after its first `skipped`, which are drawn (so that the order stays the same) and dropped.
+
+    Args:
+        dl: the data loader
+        skipped: how many of its first batches to draw and drop
+        after_skipping: called once they are drawn, before the first batch is handed on
+    """
     def __init__(self,
                  dl,  # the data loader
                  skipped:int,  # how many of its first batches to draw and drop
@@ -274,7 +287,14 @@ class SkipBatches:
 
 # %% ../../nbs/13_checkpoint.ipynb #c015b
 class Resume(Callback):
-    "Restore the checkpoint at `path` once every other callback has run `before_fit`; the fit then goes on from there."
+    """Restore the checkpoint at `path` once every other callback has run `before_fit`; the fit then goes on from there.
+
+    Args:
+        learn: the learner whose fit resumes
+        path: the checkpoint file
+        n_epoch: the fit's number of epochs
+        cbs: the callbacks added for this fit
+    """
     order = math.inf
     def __init__(self,
                  learn,  # the learner whose fit resumes
@@ -325,7 +345,13 @@ class ResumePoints(Callback):
 
 # %% ../../nbs/13_checkpoint.ipynb #c018
 class Checkpoint(ResumePoints):
-    "Write a checkpoint every `every_n_epochs` epochs into `folder`, with `latest.pt` the newest; keep the last `keep` it wrote."
+    """Write a checkpoint every `every_n_epochs` epochs into `folder`, with `latest.pt` the newest; keep the last `keep` it wrote.
+
+    Args:
+        folder: where `epoch-NNN.pt` and `latest.pt` go
+        every_n_epochs: write after every this many epochs
+        keep: how many epoch files to keep (None: all)
+    """
     def __init__(self,
                  folder,  # where `epoch-NNN.pt` and `latest.pt` go
                  every_n_epochs=1,  # write after every this many epochs

@@ -57,7 +57,19 @@ def accuracy(pred, target):
 
 # %% ../../nbs/05_callbacks.ipynb #am02
 class AccumMetric:
-    "A metric of the whole validation set: keep every batch's predictions and targets, compute `func` once at the end."
+    """A metric of the whole validation set: keep every batch's predictions and targets, compute `func` once at the end.
+
+    Args:
+        func: `func(pred, target)` -> a number, over the whole set
+        dim_argmax: the arg-max of the predictions over this dimension (scores -> classes)
+        activation: first 'softmax', 'sigmoid' or 'binarysoftmax' (the softmax's last column)
+        thresh: then `pred >= thresh` (multi-label classification)
+        to_np: give `func` numpy arrays (scikit-learn's metrics)
+        invert_arg: call `func(target, pred)`, scikit-learn's order
+        flatten: flatten both (a regression's (n, 1) output against (n,) targets)
+        name: its column in the Recorder's table (default: `func`'s name)
+        kwargs: more arguments for `func` (scikit-learn's `average='macro'`, ...)
+    """
     def __init__(self,
                  func,  # `func(pred, target)` -> a number, over the whole set
                  dim_argmax=None,  # the arg-max of the predictions over this dimension (scores -> classes)
@@ -318,7 +330,13 @@ def plot_loss(self:Recorder,
               ax=None,  # matplotlib axes to draw on (None: a new figure)
               path=None,  # file to save the figure to (a script shows no pyplot figure)
              ):
-    "Plot batch losses, smoothed losses and per-epoch validation losses; return the axes."
+    """Plot batch losses, smoothed losses and per-epoch validation losses; return the axes.
+
+    Args:
+        skip_start: batches to leave out at the start
+        ax: matplotlib axes to draw on (None: a new figure)
+        path: file to save the figure to (a script shows no pyplot figure)
+    """
     import matplotlib.pyplot as plt
     if ax is None: _, ax = plt.subplots(figsize=(6, 4))
     losses = self.losses
@@ -399,7 +417,12 @@ add_default_callbacks(DeviceCallback, Recorder, ProgressCallback)
 
 # %% ../../nbs/05_callbacks.ipynb #c026
 class MixedPrecision(Callback):
-    "Forward pass and loss under `torch.autocast` (`dtype` default: float16 on CUDA, bfloat16 on CPU), with loss scaling for float16."
+    """Forward pass and loss under `torch.autocast` (`dtype` default: float16 on CUDA, bfloat16 on CPU), with loss scaling for float16.
+
+    Args:
+        dtype: torch.float16 or torch.bfloat16; None: float16 on CUDA, bfloat16 on the CPU
+        sync_free: take a step with an inf back on the device, read later; None: on CUDA
+    """
     order = 10
     def __init__(self,
                  dtype=None,  # torch.float16 or torch.bfloat16; None: float16 on CUDA, bfloat16 on the CPU

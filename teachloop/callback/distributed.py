@@ -46,7 +46,12 @@ __all__ = ['init_distributed', 'all_reduce_demo', 'ShardSampler', 'check_shardab
 def init_distributed(backend=None,  # 'gloo' (CPUs) or 'nccl' (GPUs); None: nccl when there is a GPU, else gloo
                      timeout=300.,  # seconds a collective waits for the other processes before it fails
                     ):
-    "Join the processes that torchrun (or `run_ranks`) started, from their environment; alone, do nothing. Returns (rank, world size)."
+    """Join the processes that torchrun (or `run_ranks`) started, from their environment; alone, do nothing. Returns (rank, world size).
+
+    Args:
+        backend: 'gloo' (CPUs) or 'nccl' (GPUs); None: nccl when there is a GPU, else gloo
+        timeout: seconds a collective waits for the other processes before it fails
+    """
     if not dist.is_initialized() and int(os.environ.get('WORLD_SIZE', '1')) > 1: _join_group(backend, timeout)
     return process_rank(), process_count()
 
@@ -102,7 +107,14 @@ def shard_dls(dls,  # `DataLoaders` of torch DataLoaders
               world_size,  # how many processes share the data
               seed=None,  # the seed of the training order; None: the training loader's generator's, else 0
              ):
-    "`dls` shared out between `world_size` processes: this rank's shard of each epoch's training order and of the validation set."
+    """`dls` shared out between `world_size` processes: this rank's shard of each epoch's training order and of the validation set.
+
+    Args:
+        dls: `DataLoaders` of torch DataLoaders
+        rank: this process's rank
+        world_size: how many processes share the data
+        seed: the seed of the training order; None: the training loader's generator's, else 0
+    """
     train, valid = dls.train, dls.valid
     check_shardable(train, 'training')
     if valid is not None: check_shardable(valid, 'validation')
@@ -141,7 +153,12 @@ def check_world():
 
 # %% ../../nbs/15_distributed.ipynb #c022
 class DistributedTrainer(Callback):
-    "Train as one of the processes of torch.distributed: DDP averages the gradients; losses, Ctrl-C and NaN are agreed on."
+    """Train as one of the processes of torch.distributed: DDP averages the gradients; losses, Ctrl-C and NaN are agreed on.
+
+    Args:
+        agree_every: training steps between two exchanges of the losses and of a Ctrl-C
+        sync_bn: BatchNorm layers normalise with the global batch's statistics (see below)
+    """
     order = 45  # after NaNCapture (20); before the Recorder (50), which reads the losses this callback sums
     def __init__(self,
                  agree_every=8,  # training steps between two exchanges of the losses and of a Ctrl-C
@@ -191,7 +208,12 @@ def distributed(self:Learner,
                 seed=None,  # the seed of the training order; None: the training loader's generator's
                 sync_bn=False,  # BatchNorm layers normalise with the statistics of the global batch, as in one process
                ):
-    "Within the block, fit as one of the processes of torch.distributed (alone: as a world of 1), each on its shard of the data."
+    """Within the block, fit as one of the processes of torch.distributed (alone: as a world of 1), each on its shard of the data.
+
+    Args:
+        seed: the seed of the training order; None: the training loader's generator's
+        sync_bn: BatchNorm layers normalise with the statistics of the global batch, as in one process
+    """
     check_world()
     shards = shard_dls(self.dls, process_rank(), process_count(), seed)  # checks the loaders before anything changes
     if sync_bn: check_batch_norms(self.model)
@@ -219,7 +241,20 @@ def digits_fit(bs=32,  # items per batch in each process (the global batch is `b
                batch_norm=False,  # the CNN with a BatchNorm after each convolution (`digits_bn_cnn`)
                sync_bn=False,  # `learn.distributed(sync_bn=...)`
               ):
-    "Fit the digits CNN as this process's part of a data-parallel run (or alone); return its weights and history."
+    """Fit the digits CNN as this process's part of a data-parallel run (or alone); return its weights and history.
+
+    Args:
+        bs: items per batch in each process (the global batch is `bs` times the processes)
+        lr: the learning rate (with `one_cycle`: the highest one)
+        n_epoch: epochs
+        opt_func: the optimizer
+        one_cycle: fit with `fit_one_cycle` (warm-up, then annealing) instead of a constant rate
+        dtype: the dtype of the model and the inputs
+        cbs: callbacks for the fit
+        seed: the seed of the weights and the order of the data
+        batch_norm: the CNN with a BatchNorm after each convolution (`digits_bn_cnn`)
+        sync_bn: `learn.distributed(sync_bn=...)`
+    """
     x, y = load_digits_tensors()
     set_seed(seed)
     model = digits_bn_cnn() if batch_norm else digits_cnn()
@@ -534,7 +569,13 @@ def nan_on_one_rank(folder,  # where each rank's NaNCapture writes its file
                     rank=1,  # the rank whose batch gets a NaN
                     at=5,  # at this training step
                    ):
-    "Fit the digits CNN with NaNCapture while `rank`'s batch at step `at` holds a NaN: where this rank stopped, and its file."
+    """Fit the digits CNN with NaNCapture while `rank`'s batch at step `at` holds a NaN: where this rank stopped, and its file.
+
+    Args:
+        folder: where each rank's NaNCapture writes its file
+        rank: the rank whose batch gets a NaN
+        at: at this training step
+    """
     set_seed(0)
     learn = Learner(tensor_dls(*load_digits_tensors(), bs=32), digits_cnn(), torch.nn.functional.cross_entropy,
                     opt_func=partial(SGD, mom=0.9), lr=0.1, cbs=[NaNCapture(folder)])
@@ -590,7 +631,18 @@ def run_ranks(fn,  # a function importable by a new process (defined in a module
               grace=60.,  # seconds the processes get to stop after a Ctrl-C (and write their checkpoint)
               start_method='spawn',  # 'spawn' (new interpreters: safe in a notebook) or 'fork' (quicker, from a script)
              ):
-    "Run `fn(*args)` in `world_size` new processes of this machine that train together; return their results, by rank."
+    """Run `fn(*args)` in `world_size` new processes of this machine that train together; return their results, by rank.
+
+    Args:
+        fn: a function importable by a new process (defined in a module, not in the notebook)
+        args: its arguments (they are pickled)
+        world_size: how many processes
+        backend: 'gloo' for CPUs; 'nccl' needs a GPU for each process
+        timeout: seconds they may take in all, and that a collective may wait
+        threads: torch threads per process; None: this process's threads shared out
+        grace: seconds the processes get to stop after a Ctrl-C (and write their checkpoint)
+        start_method: 'spawn' (new interpreters: safe in a notebook) or 'fork' (quicker, from a script)
+    """
     threads = threads or max(1, torch.get_num_threads() // world_size)
     interruptible = signal.getsignal(signal.SIGINT) is signal.default_int_handler
     results = mp.get_context(start_method).SimpleQueue()

@@ -48,7 +48,12 @@ def _check_recorder(cb):
 
 # %% ../../nbs/05b_loggers.ipynb #l007
 class CSVLogger(Callback):
-    "Write the Recorder's row of each epoch to a CSV file whose header is the Recorder's `metric_names`."
+    """Write the Recorder's row of each epoch to a CSV file whose header is the Recorder's `metric_names`.
+
+    Args:
+        fname: the file to write (a folder: history.csv in it)
+        append: add this fit's rows after the file's; else start the file afresh
+    """
     order, observes = 60, True  # after the Recorder (50), which makes the row
     def __init__(self,
                  fname='history.csv',  # the file to write (a folder: history.csv in it)
@@ -96,7 +101,13 @@ def _number(text):
 
 # %% ../../nbs/05b_loggers.ipynb #l014
 class TensorBoardLogger(Callback):
-    "Write the batch losses, every group's hyper-parameters, the epochs' rows and the effective lrs to TensorBoard."
+    """Write the batch losses, every group's hyper-parameters, the epochs' rows and the effective lrs to TensorBoard.
+
+    Args:
+        log_dir: the run's folder; None: runs/<date>_<host>, a new one per fit, as SummaryWriter's
+        every: training batches between two writes (their losses are read back then)
+        effective_lr: True, False, or None: when the optimizer has a rule for them
+    """
     order, observes = 60, True  # after the Recorder (50), which makes the epoch's row
     def __init__(self,
                  log_dir=None,  # the run's folder; None: runs/<date>_<host>, a new one per fit, as SummaryWriter's
@@ -228,7 +239,13 @@ def read_scalars(log_dir):
 
 # %% ../../nbs/05b_loggers.ipynb #l022
 class ShowGraph(Callback):
-    "A figure of the training and validation losses, redrawn after each epoch: in place in a notebook, or saved to `path`."
+    """A figure of the training and validation losses, redrawn after each epoch: in place in a notebook, or saved to `path`.
+
+    Args:
+        path: a PNG file to save the figure to after each epoch (a script shows no figure)
+        live: show it in the notebook; None: when running in a Jupyter kernel
+        refresh: the fewest seconds between two drawings (the fit's end is always drawn)
+    """
     order, observes = 65, True  # after the Recorder (50), which makes the epoch's row
     def __init__(self,
                  path=None,  # a PNG file to save the figure to after each epoch (a script shows no figure)

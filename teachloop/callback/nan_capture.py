@@ -46,7 +46,14 @@ def nonfinite_grads(named_params):
 
 # %% ../../nbs/12_nan_capture.ipynb #c016
 class NaNCapture(Callback):
-    "Before each optimizer step check the gradients; on a NaN or infinity save the step to `path` and stop the fit."
+    """Before each optimizer step check the gradients; on a NaN or infinity save the step to `path` and stop the fit.
+
+    Args:
+        path: file to write the captured step to, or a folder (the file is then `nan-capture[-rank<r>].pt` in it)
+        check_every: check every this many training steps (see under the hood, at the end)
+        rngs: which random states to keep at every step: 'auto' or 'every_step' (see under the hood)
+        sync_free: read each check's answer later instead of waiting for it; None: on a GPU with check_every > 1
+    """
     order, run_valid = 20, False
     def __init__(self,
                  path,  # file to write the captured step to, or a folder (the file is then `nan-capture[-rank<r>].pt` in it)

@@ -62,7 +62,12 @@ def schedule_pct(step, n_steps):
     return min(step / max(n_steps - 1, 1), 1.)
 
 class Stepper:
-    "The values of `schedule` at each of `n_steps` evenly spaced steps, first at pct 0 and last at pct 1."
+    """The values of `schedule` at each of `n_steps` evenly spaced steps, first at pct 0 and last at pct 1.
+
+    Args:
+        schedule: a function of pct in [0, 1]
+        n_steps: number of steps
+    """
     def __init__(self,
                  schedule,  # a function of pct in [0, 1]
                  n_steps:int,  # number of steps
@@ -122,7 +127,12 @@ def plot_schedules(scheds, n_steps, axs=None):
 
 # %% ../../nbs/06_schedule.ipynb #c020
 class ParamScheduler(Callback):
-    "Set optimizer hyper-parameters from their schedules before each training batch, recording them in `hps`."
+    """Set optimizer hyper-parameters from their schedules before each training batch.
+
+    Args:
+        scheds: {hyper-parameter name: schedule of pct, or a list of them, one per parameter group}
+        fit_call: the learner's fit method call that made `scheds`, e.g. 'fit_one_cycle(4, lr_max=0.01)'
+    """
     run_valid = False
     def __init__(self,
                  scheds,  # {hyper-parameter name: schedule of pct, or a list of them, one per parameter group}
@@ -130,21 +140,26 @@ class ParamScheduler(Callback):
                 ):
         _check_scheds(scheds)
         self.scheds, self.fit_call = dict(scheds), fit_call
-        self.hps = {name: [] for name in self.scheds}
+        self._done, self._n_steps = 0, 0
 
-    def before_fit(self): self.hps = {name: [] for name in self.scheds}
+    def before_fit(self): self._done = 0
 
     def before_batch(self):
         pct = self.schedule_pct()
-        for name, sched in self.scheds.items():
-            value = _evaluate(sched, pct)
-            self.opt.set_hyper(name, value)
-            self.hps[name].append(value)
+        for name, sched in self.scheds.items(): self.opt.set_hyper(name, _evaluate(sched, pct))
+        self._n_steps = self.n_epoch * self.n_iter
+        self._done = round(self.pct_train * self._n_steps) + 1  # the batches that `hps` shows
 
     def schedule_pct(self):
         "Position of this training batch in the schedules: 0 for the fit's first, 1 for its last."
         n_steps = self.n_epoch * self.n_iter
         return schedule_pct(round(self.pct_train * n_steps), n_steps)
+
+    @property
+    def hps(self):
+        "What it set in this fit so far: name -> one value per training batch, computed from the schedules."
+        if not self._done: return {name: [] for name in self.scheds}
+        return {name: values[:self._done] for name, values in self.preview(self._n_steps).items()}
 
     def preview(self, n_steps):
         "The values the schedules take over `n_steps` training batches, without training."
@@ -175,7 +190,19 @@ def fit_one_cycle(self:Learner,
                   cbs=None,  # extra callbacks for this fit
                   resume=None,  # checkpoint to continue from (see `Learner.fit`)
                  ):
-    "Fit with the one-cycle policy: cosine warm-up of the learning rate to `lr_max`, cosine decay; momentum the other way."
+    """Fit with the one-cycle policy: cosine warm-up of the learning rate to `lr_max`, cosine decay; momentum the other way.
+
+    Args:
+        n_epoch: number of epochs
+        lr_max: peak learning rate (number or slice); None: the learner's `lr`
+        div: the learning rate starts at lr_max/div
+        div_final: and ends at lr_max/div_final
+        pct_start: share of training spent rising to lr_max
+        wd: weight decay for this fit; None keeps the optimizer's
+        moms: momentum (start, middle, end); None: the learner's `moms`
+        cbs: extra callbacks for this fit
+        resume: checkpoint to continue from (see `Learner.fit`)
+    """
     self._check_owner('fit_one_cycle')
     check_fit_args(n_epoch, None, wd)
     _check_share('pct_start', pct_start)
@@ -202,7 +229,17 @@ def fit_flat_cos(self:Learner,
                  cbs=None,  # extra callbacks for this fit
                  resume=None,  # checkpoint to continue from (see `Learner.fit`)
                 ):
-    "Fit with a flat learning rate for `pct_start` of training, then a cosine decay to `lr/div_final`."
+    """Fit with a flat learning rate for `pct_start` of training, then a cosine decay to `lr/div_final`.
+
+    Args:
+        n_epoch: number of epochs
+        lr: the flat learning rate (number or slice); None: the learner's `lr`
+        div_final: the learning rate ends at lr/div_final
+        pct_start: share of training at the flat learning rate
+        wd: weight decay for this fit; None keeps the optimizer's
+        cbs: extra callbacks for this fit
+        resume: checkpoint to continue from (see `Learner.fit`)
+    """
     check_fit_args(n_epoch, None, wd)
     _check_share('pct_start', pct_start); _check_divisor('div_final', div_final)
     def lr_sched(top): return combined_cos(pct_start, top, top, top / div_final)
@@ -230,7 +267,17 @@ def fit_sgdr(self:Learner,
              cbs=None,  # extra callbacks for this fit
              resume=None,  # checkpoint to continue from (see `Learner.fit`)
             ):
-    "Fit with warm restarts: `n_cycles` cosine decays from `lr_max` to 0, each `cycle_mult` times longer than the last."
+    """Fit with warm restarts: `n_cycles` cosine decays from `lr_max` to 0, each `cycle_mult` times longer than the last.
+
+    Args:
+        n_cycles: number of cosine cycles
+        cycle_len: epochs in the first cycle
+        lr_max: learning rate at the start of each cycle (number or slice); None: the learner's `lr`
+        cycle_mult: each cycle is this many times longer than the one before
+        wd: weight decay for this fit; None keeps the optimizer's
+        cbs: extra callbacks for this fit
+        resume: checkpoint to continue from (see `Learner.fit`)
+    """
     epochs = sgdr_epochs(n_cycles, cycle_len, cycle_mult)
     check_fit_args(sum(epochs), None, wd)
     def lr_sched(top): return combine_scheds([e / sum(epochs) for e in epochs], [partial(annealing_cos, top, 0.)] * len(epochs))
@@ -339,7 +386,14 @@ PER_BATCH_SCHEDULERS = (torch.optim.lr_scheduler.OneCycleLR, torch.optim.lr_sche
 
 # %% ../../nbs/06_schedule.ipynb #l04
 class LRSchedulerCallback(Callback):
-    "Set the learning rate (and momentum) from a `torch.optim.lr_scheduler` class, stepped after each batch or epoch."
+    """Set the learning rate (and momentum) from a `torch.optim.lr_scheduler` class, stepped after each batch or epoch.
+
+    Args:
+        scheduler_cls: a class of `torch.optim.lr_scheduler`, e.g. `StepLR` (the class, not a scheduler)
+        args: its arguments after the optimizer
+        step: 'batch' or 'epoch'; None: 'batch' for OneCycleLR and CyclicLR, else 'epoch'
+        kwargs: its keyword arguments
+    """
     run_valid = False
     def __init__(self,
                  scheduler_cls,  # a class of `torch.optim.lr_scheduler`, e.g. `StepLR` (the class, not a scheduler)
@@ -625,7 +679,16 @@ def lr_find(self:Learner,
             show_plot=True,  # plot loss against learning rate, with the suggestions
             suggest_funcs=SUGGEST_FUNCS,  # functions f(lrs, losses) -> suggested learning rate
            ):
-    "Find a good learning rate with a range test, kept in `learn.lr_range_test`; the learner is restored. Returns the suggestions."
+    """Find a good learning rate with a range test, kept in `learn.lr_range_test`; the learner is restored. Returns the suggestions.
+
+    Args:
+        start_lr: learning rate of the first batch
+        end_lr: learning rate of batch `num_it` (if the run gets that far)
+        num_it: number of batches
+        stop_div: stop when the smoothed loss exceeds 4 times its best
+        show_plot: plot loss against learning rate, with the suggestions
+        suggest_funcs: functions f(lrs, losses) -> suggested learning rate
+    """
     _check_lr_find_args(start_lr, end_lr, num_it, suggest_funcs)
     train = self.dls.train
     n_epoch = math.ceil(num_it / len(train)) if hasattr(train, '__len__') else num_it

@@ -37,7 +37,13 @@ def monitor_mode(monitor):
 
 # %% ../../nbs/13a_trackers.ipynb #c028
 class TrackerCallback(Callback):
-    "Follow the recorded value `monitor` at each epoch's end: `best` so far, `improved`, `wait` epochs since."
+    """Follow the recorded value `monitor` at each epoch's end: `best` so far, `improved`, `wait` epochs since.
+
+    Args:
+        monitor: a name from `learn.recorder.metric_names`: 'valid_loss', 'train_loss', a metric
+        mode: 'min' if lower is better, 'max' if higher is better, 'auto': from the name (`monitor_mode`)
+        min_delta: an improvement must beat the best value by more than this
+    """
     order = 55
     def __init__(self,
                  monitor='valid_loss',  # a name from `learn.recorder.metric_names`: 'valid_loss', 'train_loss', a metric

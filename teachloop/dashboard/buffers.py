@@ -40,7 +40,13 @@ def downsample_minmax(x:np.ndarray,  # increasing positions
                       y:np.ndarray,  # values
                       n_spans:int,  # number of equal spans of x
                      ):
-    "Of each of `n_spans` equal spans of `x`, keep the points with the smallest and the largest `y` (in order)."
+    """Of each of `n_spans` equal spans of `x`, keep the points with the smallest and the largest `y` (in order).
+
+    Args:
+        x: increasing positions
+        y: values
+        n_spans: number of equal spans of x
+    """
     if len(x) <= 2 * n_spans: return x, y
     edges = np.linspace(x[0], x[-1], n_spans + 1)
     span = np.clip(np.searchsorted(edges, x, side='right') - 1, 0, n_spans - 1)

@@ -79,7 +79,12 @@ class FitControls:
 
 # %% ../../nbs/11a_dashboard_controls.ipynb #c008
 class SteeringCallback(Callback):
-    "Apply the requests of `controls` between batches: pause, stop, and held hyper-parameter values."
+    """Apply the requests of `controls` between batches: pause, stop, and held hyper-parameter values.
+
+    Args:
+        controls: the requests to apply; None: new ones
+        keep_steered: leave the requested values in the optimizer after the fit
+    """
     order, observes = 70, True  # it changes the fit only when someone asks it to, through its controls
     def __init__(self,
                  controls:FitControls=None,  # the requests to apply; None: new ones
@@ -221,7 +226,14 @@ def fit_background(learn,
                    fit=None,  # the fit method to run, e.g. `learn.fit_one_cycle`; None: `learn.fit`
                    **fit_kwargs,  # its other arguments (lr, wd, reset_opt, ...)
                   ) -> FitHandle:
-    "Start `learn.fit(n_epoch, ...)` (or `fit(n_epoch, ...)`) in a background thread and return its `FitHandle` at once."
+    """Start `learn.fit(n_epoch, ...)` (or `fit(n_epoch, ...)`) in a background thread and return its `FitHandle` at once.
+
+    Args:
+        n_epoch: number of epochs, as in `Learner.fit`
+        cbs: callbacks for this fit only (one or a list)
+        fit: the fit method to run, e.g. `learn.fit_one_cycle`; None: `learn.fit`
+        fit_kwargs: its other arguments (lr, wd, reset_opt, ...)
+    """
     check_fit_args(n_epoch, fit_kwargs.get('lr'), fit_kwargs.get('wd'))
     fit = learn.fit if fit is None else fit
     running = _running_fits.get(learn)

@@ -46,7 +46,17 @@ def _clock(seconds):
 
 # %% ../../nbs/11e_dashboard.ipynb #c042
 class TrainingDashboard(SteeringCallback):
-    "Live loss, learning rates, effective learning rates and update ratios, with sliders and buttons that steer the fit."
+    """Live loss, learning rates, effective learning rates and update ratios, with sliders and buttons that steer the fit.
+
+    Args:
+        refresh: seconds between display ticks (0.25: at most 4 frames a second)
+        max_points: the most points kept per line
+        save_path: where to save the final figure (PNG), if anywhere
+        live: draw during the fit; None: when running in a Jupyter kernel
+        controls: shared requests, e.g. with another dashboard
+        buffer_size: device slots for batch losses; a tick comes early when they are full
+        keep_steered: leave the sliders' values in the optimizer after the fit
+    """
     def __init__(self,
                  refresh:float=0.25,  # seconds between display ticks (0.25: at most 4 frames a second)
                  max_points:int=2000,  # the most points kept per line

@@ -32,7 +32,11 @@ def _rescale(ax):
 EXTRA_PANELS = ('sharpness', 'layers')  # drawn when the fit has a `Sharpness` or a `LayerStats` callback
 
 class DashboardPlot:
-    "The dashboard's panels, drawn with matplotlib's object API and updated in place."
+    """The dashboard's panels, drawn with matplotlib's object API and updated in place.
+
+    Args:
+        figsize: inches; None: 10 wide, 6.6 high, 3.3 more for a row of extra panels
+    """
     def __init__(self,
                  figsize=None,  # inches; None: 10 wide, 6.6 high, 3.3 more for a row of extra panels
                  dpi=72,

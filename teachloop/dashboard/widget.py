@@ -104,7 +104,12 @@ def _finish_threads_at_exit(timeout=10):
 
 # %% ../../nbs/11d_dashboard_widget.ipynb #c058
 class LiveDisplay:
-    "A thread that draws the newest submitted snapshot into a `DashboardWidget`, in at most `max_share` of the time."
+    """A thread that draws the newest submitted snapshot into a `DashboardWidget`, in at most `max_share` of the time.
+
+    Args:
+        plot: a figure to reuse; None: the thread makes one
+        max_share: the largest share of the time spent drawing
+    """
     def __init__(self, widget:DashboardWidget,
                  plot:DashboardPlot=None,  # a figure to reuse; None: the thread makes one
                  max_share:float=0.2,  # the largest share of the time spent drawing

@@ -74,7 +74,13 @@ class SmoothenValue:
 
 # %% ../../nbs/A1_callbacks_v1.ipynb #c015
 class V1Stepper:
-    "Step from `vals` = `(start, end)` (or stay at a number) over `n_iter` steps along `func(start, end, pct)`."
+    """Step from `vals` = `(start, end)` (or stay at a number) over `n_iter` steps along `func(start, end, pct)`.
+
+    Args:
+        vals: `(start, end)`, or one number to stay at
+        n_iter: number of steps to reach `end`
+        func: annealing function; default linear for a pair, constant for a number
+    """
     def __init__(self,
                  vals,  # `(start, end)`, or one number to stay at
                  n_iter:int,  # number of steps to reach `end`
@@ -121,7 +127,13 @@ def _event_table(cbs):
 
 # %% ../../nbs/A1_callbacks_v1.ipynb #c020
 class CallbackHandler(Callback):
-    "Run fastai v1 style callbacks on teachloop's events: pass them the v1 state, apply what they return."
+    """Run fastai v1 style callbacks on teachloop's events: pass them the v1 state, apply what they return.
+
+    Args:
+        callbacks: `V1Callback`s, run sorted by `_order`
+        metrics: metric callbacks (e.g. `AverageMetric`), run first on validation batches and epoch ends
+        beta: smoothing of `smooth_loss`
+    """
     order = 70
     def __init__(self,
                  callbacks=(),  # `V1Callback`s, run sorted by `_order`

@@ -78,7 +78,14 @@ def _default_name(handlers):
 
 # %% ../../nbs/A3_event_filters.ipynb #c019
 class FuncCallback(Callback):
-    "A callback made of functions: `FuncCallback(after_batch=f)` calls `f(learn)` at each `after_batch`."
+    """A callback made of functions: `FuncCallback(after_batch=f)` calls `f(learn)` at each `after_batch`.
+
+    Args:
+        order: place among the callbacks, as `Callback.order`
+        run_valid: whether batch events of each phase reach the handlers
+        name: name on the learner (default: the first function's name)
+        handlers: event=function, each called as function(learn)
+    """
     def __init__(self,
                  order=0,  # place among the callbacks, as `Callback.order`
                  run_train=True, run_valid=True,  # whether batch events of each phase reach the handlers

@@ -100,7 +100,13 @@ class Loss(Metric):
 
 # %% ../../nbs/A2_gluon_handlers.ipynb #c013
 class Estimator(Callback):
-    "Run Gluon style event handlers on teachloop's events; handlers get this object as `estimator`."
+    """Run Gluon style event handlers on teachloop's events; handlers get this object as `estimator`.
+
+    Args:
+        handlers: event handlers, called per event sorted by `priority`
+        train_metrics: shared metric objects for the training batches
+        val_metrics: shared metric objects for validation (default: copies of `train_metrics`)
+    """
     order, run_valid = 70, False
     def __init__(self,
                  handlers=(),  # event handlers, called per event sorted by `priority`
@@ -216,7 +222,14 @@ class MetricHandler(EpochBegin, BatchEnd):
 
 # %% ../../nbs/A2_gluon_handlers.ipynb #c020
 class ValidationHandler(TrainBegin, BatchEnd, EpochEnd):
-    "Evaluate on `val_data` every `epoch_period` epochs and every `batch_period` batches."
+    """Evaluate on `val_data` every `epoch_period` epochs and every `batch_period` batches.
+
+    Args:
+        val_data: iterable of (inputs..., label) batches
+        eval_fn: `eval_fn(val_data)`; None: `estimator.evaluate`
+        epoch_period: evaluate every this many epochs (None: never at epoch ends)
+        batch_period: evaluate every this many batches (None: never within epochs)
+    """
     def __init__(self,
                  val_data,  # iterable of (inputs..., label) batches
                  eval_fn=None,  # `eval_fn(val_data)`; None: `estimator.evaluate`
@@ -286,7 +299,17 @@ def _worst(mode): return math.inf if mode == 'min' else -math.inf
 
 # %% ../../nbs/A2_gluon_handlers.ipynb #c025
 class CheckpointHandler(TrainBegin, BatchEnd, EpochEnd):
-    "Save the model and optimizer every `epoch_period` epochs / `batch_period` batches, and the best by `monitor`."
+    """Save the model and optimizer every `epoch_period` epochs / `batch_period` batches, and the best by `monitor`.
+
+    Args:
+        model_dir: folder for the files (created if needed)
+        model_prefix: files are `<prefix>-epoch<e>batch<b>.pt` and `<prefix>-best.pt`
+        monitor: shared metric deciding which checkpoint is best
+        mode: 'min' or 'max': which direction of `monitor` is better
+        batch_period: how often to save
+        save_best: also keep `<prefix>-best.pt`, saved whenever `monitor` improves
+        max_checkpoints: keep only the newest this many periodic checkpoints
+    """
     def __init__(self,
                  model_dir,  # folder for the files (created if needed)
                  model_prefix='model',  # files are `<prefix>-epoch<e>batch<b>.pt` and `<prefix>-best.pt`

@@ -121,7 +121,14 @@ def effective_lr_stats(opt,  # a teachloop optimizer, an `OptimWrapper`, or a to
                        quantiles=(0.05, 0.5, 0.95),  # which quantiles of the effective lrs to report
                        per='layer',  # 'layer' (parameters of one module together) or 'param'
                       ):
-    "Quantiles of the effective learning rates per layer (or parameter): `{name: tensor(len(quantiles))}` on the device."
+    """Quantiles of the effective learning rates per layer (or parameter): `{name: tensor(len(quantiles))}` on the device.
+
+    Args:
+        opt: a teachloop optimizer, an `OptimWrapper`, or a torch SGD/Adam/AdamW/RMSprop
+        model: the model, to name the parameters and layers
+        quantiles: which quantiles of the effective lrs to report
+        per: 'layer' (parameters of one module together) or 'param'
+    """
     if per not in ('layer', 'param'): raise ValueError(f"per must be 'layer' or 'param', got {per!r}")
     if not all(isinstance(q, (int, float)) and 0 <= q <= 1 for q in quantiles):
         raise ValueError(f"quantiles must be numbers in [0, 1] (0.5 is the median), got {quantiles!r}")

@@ -56,7 +56,13 @@ def _activation_modules(model):
 
 # %% ../../nbs/10b_layer_stats.ipynb #u02
 class LayerStats(Callback):
-    "Histograms and summaries of each activation layer's output and gradient, and of the weights' gradients, at ticks."
+    """Histograms and summaries of each activation layer's output and gradient, and of the weights' gradients, at ticks.
+
+    Args:
+        every: training batches between two ticks (the first batch is one)
+        modules: names of the modules to watch; None: every tanh, sigmoid and ReLU-like layer
+        bins: histogram bins
+    """
     order, run_valid, observes = 60, False, True
     def __init__(self,
                  every=100,  # training batches between two ticks (the first batch is one)
@@ -122,7 +128,13 @@ def plot_layer_histograms(stats,  # a `LayerStats` after a fit
                           tick=0,  # which kept tick (0: the first, -1: the last)
                           gradient=False,  # the gradients' histograms instead of the activations'
                           ax=None):
-    "One line per layer: the density of its activations (or their gradients) at one tick."
+    """One line per layer: the density of its activations (or their gradients) at one tick.
+
+    Args:
+        stats: a `LayerStats` after a fit
+        tick: which kept tick (0: the first, -1: the last)
+        gradient: the gradients' histograms instead of the activations'
+    """
     import matplotlib.pyplot as plt
     ax = ax or plt.subplots(figsize=(6, 3))[1]
     for entry in stats.ticks[tick]['layers']:

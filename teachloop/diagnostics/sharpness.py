@@ -44,7 +44,13 @@ def top_eigenvalue(hvp,  # `v -> H v` on lists of tensors, from `hessian_vector_
                    start,  # the first vector (a list of tensors shaped like the parameters)
                    power_iters=20,  # power iterations: one Hessian-vector product each
                    scale=None):  # per-element `D`: the eigenvalue of `D H D` (a preconditioned sharpness)
-    "The eigenvalue of largest size of `H` (or `D H D`) by power iteration, and its eigenvector."
+    """The eigenvalue of largest size of `H` (or `D H D`) by power iteration, and its eigenvector.
+
+    Args:
+        hvp: `v -> H v` on lists of tensors, from `hessian_vector_product`
+        start: the first vector (a list of tensors shaped like the parameters)
+        power_iters: power iterations: one Hessian-vector product each
+    """
     check_count('power_iters', power_iters)
     apply = hvp if scale is None else lambda v: [d * hv for d, hv in zip(scale, hvp([d * x for d, x in zip(scale, v)]))]
     v = [x / _dot(start, start).sqrt() for x in start]
@@ -56,7 +62,14 @@ def top_eigenvalue(hvp,  # `v -> H v` on lists of tensors, from `hessian_vector_
 
 # %% ../../nbs/10a_sharpness.ipynb #s014
 class Sharpness(Callback):
-    "Estimate the top Hessian eigenvalue of the loss on a fixed batch every `every` steps, and its stability line."
+    """Estimate the top Hessian eigenvalue of the loss on a fixed batch every `every` steps, and its stability line.
+
+    Args:
+        every: training steps between two estimates
+        power_iters: power iterations per estimate (each one Hessian-vector product)
+        preconditioned: the sharpness of `P^-1 H` (`lr P^-1`: the effective lrs); None: for Adam, RMSProp
+        batch: `(x, y)` to measure on; None: the fit's first training batch
+    """
     order, run_valid, observes = 60, False, True
     def __init__(self,
                  every=50,  # training steps between two estimates

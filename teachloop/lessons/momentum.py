@@ -44,7 +44,12 @@ def _as_stream(values):
 def ewma(values,  # a 1-D stream of numbers
          beta,  # how much of the past average is kept at each step, in [0, 1)
         ):
-    "The running average a_t = beta*a_{t-1} + (1-beta)*v_t, from a_0 = 0, after every value: a numpy array."
+    """The running average a_t = beta*a_{t-1} + (1-beta)*v_t, from a_0 = 0, after every value: a numpy array.
+
+    Args:
+        values: a 1-D stream of numbers
+        beta: how much of the past average is kept at each step, in [0, 1)
+    """
     check_beta(beta)
     values = _as_stream(values)
     averages, average = np.empty_like(values), 0.
@@ -59,7 +64,14 @@ def plot_ewma(ax,  # matplotlib axes to draw on
               beta,  # the averaging factor
               debiased=False,  # also draw the debiased average
              ):
-    "Draw the points and their EWMA (and the debiased EWMA) on `ax`; return the lines by name."
+    """Draw the points and their EWMA (and the debiased EWMA) on `ax`; return the lines by name.
+
+    Args:
+        ax: matplotlib axes to draw on
+        y: the points, in the order they are averaged
+        beta: the averaging factor
+        debiased: also draw the debiased average
+    """
     lines = {'data': ax.plot(x, y, '.', color='C0', ms=4, alpha=0.6, label='data')[0],
              'ewma': ax.plot(x, ewma(y, beta), color='C3', label='EWMA')[0]}
     if debiased: lines['debiased'] = ax.plot(x, debiased_ewma(y, beta), '--', color='C2', label='debiased')[0]
@@ -70,7 +82,12 @@ def plot_ewma(ax,  # matplotlib axes to draw on
 def debiased_ewma(values,  # a 1-D stream of numbers
                   beta,  # the averaging factor, in [0, 1)
                  ):
-    "`ewma` divided by 1 - beta**t, the sum of its weights after t values; the average itself is not changed."
+    """`ewma` divided by 1 - beta**t, the sum of its weights after t values; the average itself is not changed.
+
+    Args:
+        values: a 1-D stream of numbers
+        beta: the averaging factor, in [0, 1)
+    """
     averages = ewma(values, beta)
     steps = np.arange(1, len(averages) + 1)
     return averages / (1 - beta ** steps)
@@ -84,13 +101,26 @@ def effective_window(beta):
 def ewma_weights(beta,  # the averaging factor
                  n,  # how many steps back
                 ):
-    "The weight (1-beta)*beta**k of the value k steps back in an EWMA, for k = 0 ... n-1."
+    """The weight (1-beta)*beta**k of the value k steps back in an EWMA, for k = 0 ... n-1.
+
+    Args:
+        beta: the averaging factor
+        n: how many steps back
+    """
     check_beta(beta)
     return (1 - beta) * beta ** np.arange(n)
 
 # %% ../../nbs/02_momentum.ipynb #c027
 class EWMAWidget(FigureWidget):
-    "The noisy parabola with its EWMA and debiased EWMA (and a slow EWMA), and their weights, redrawn for the sliders."
+    """The noisy parabola with its EWMA and debiased EWMA (and a slow EWMA), and their weights, redrawn for the sliders.
+
+    Args:
+        beta: starting averaging factor
+        noise: starting noise level
+        n: number of points
+        seed: seed of the first sample; the re-sample button counts up from it
+        slow_beta: also draw a slow EWMA with this factor, and its slider (AdEMAMix, notebook 07a)
+    """
     def __init__(self,
                  beta=0.9,  # starting averaging factor
                  noise=0.1,  # starting noise level
@@ -140,7 +170,18 @@ class EWMAWidget(FigureWidget):
 
 # %% ../../nbs/02_momentum.ipynb #c032
 class Surface:
-    "A 2-D loss surface: its loss and gradient, where paths start, its minimum, the region shown, suitable lrs."
+    """A 2-D loss surface: its loss and gradient, where paths start, its minimum, the region shown, suitable lrs.
+
+    Args:
+        name: short name, shown in titles
+        loss: the loss of points: a function of a tensor of shape (..., 2)
+        grad: the gradient of `loss` at one point of shape (2,)
+        start: where the paths start
+        minimum: a minimum of the loss
+        extent: the region shown, (x_min, x_max, y_min, y_max)
+        lr: a learning rate that suits SGD and momentum here
+        lr_adaptive: one that suits RMSProp and Adam
+    """
     def __init__(self,
                  name,  # short name, shown in titles
                  loss,  # the loss of points: a function of a tensor of shape (..., 2)
@@ -196,7 +237,14 @@ def trajectory(surface,  # the `Surface` to descend
                steps,  # how many steps to take
                start=None,  # where to start; the surface's start by default
               ):
-    "The points visited by the optimizer from `opt_func` in `steps` steps on `surface`: a (steps+1, 2) tensor."
+    """The points visited by the optimizer from `opt_func` in `steps` steps on `surface`: a (steps+1, 2) tensor.
+
+    Args:
+        surface: the `Surface` to descend
+        opt_func: makes the optimizer from a list of parameters
+        steps: how many steps to take
+        start: where to start; the surface's start by default
+    """
     if isinstance(steps, bool) or not isinstance(steps, numbers.Integral) or steps < 0:
         raise ValueError(f"steps must be a whole number >= 0, got {steps!r}")
     point = (surface.start if start is None else torch.as_tensor(start, dtype=torch.float64)).clone()
@@ -236,7 +284,12 @@ def plot_paths(ax_path, ax_loss, surface, paths):
 def heavy_ball_roots(step_curvature,  # the learning rate times the curvature, lr * lambda (an array works)
                      beta,  # the momentum (an array works)
                     ):
-    "The two eigenvalues of heavy-ball momentum's iteration matrix on one coordinate: a complex array (..., 2)."
+    """The two eigenvalues of heavy-ball momentum's iteration matrix on one coordinate: a complex array (..., 2).
+
+    Args:
+        step_curvature: the learning rate times the curvature, lr * lambda (an array works)
+        beta: the momentum (an array works)
+    """
     a, beta = np.broadcast_arrays(np.asarray(step_curvature, dtype=np.float64), np.asarray(beta, dtype=np.float64))
     trace = 1 + beta - a
     root = np.sqrt((trace ** 2 - 4 * beta).astype(np.complex128))
@@ -319,7 +372,13 @@ def _set_log_slider(slider, low, high, value):
     slider.min, slider.max = np.log10(low), np.log10(high)
 
 class TrajectoryWidget(FigureWidget):
-    "Paths and losses of SGD, momentum, Nesterov, RMSProp and Adam on a 2-D surface, with heavy ball's rate map."
+    """Paths and losses of SGD, momentum, Nesterov, RMSProp and Adam on a 2-D surface, with heavy ball's rate map.
+
+    Args:
+        surface: name of the surface in `SURFACES`
+        steps: starting step budget (at most 200)
+        eps: starting momentum, squared-gradient average and epsilon
+    """
     def __init__(self,
                  surface='canyon',  # name of the surface in `SURFACES`
                  steps=100,  # starting step budget (at most 200)
@@ -397,7 +456,11 @@ def direction_errors(lr, beta, curvatures, steps):
 
 # %% ../../nbs/02_momentum.ipynb #d006
 class DirectionDecayWidget(FigureWidget):
-    "The rate map of a quadratic with the sliders' (lr, beta), each eigendirection's error over the steps, and what is left."
+    """The rate map of a quadratic with the sliders' (lr, beta), each eigendirection's error over the steps, and what is left.
+
+    Args:
+        curvatures: the quadratic's curvatures, one eigendirection each; None: `DECAY_CURVATURES`
+    """
     def __init__(self,
                  curvatures=None,  # the quadratic's curvatures, one eigendirection each; None: `DECAY_CURVATURES`
                  lr=1.0, beta=0.6, steps=60):  # starting values of the sliders
@@ -447,7 +510,15 @@ def record_gradient(model,  # the model to train
                     index,  # the index of the watched element in `weight`
                     loss_func=F.cross_entropy,
                    ):
-    "Train `model` for one pass over `batches` and return `weight.grad[index]` after every backward pass."
+    """Train `model` for one pass over `batches` and return `weight.grad[index]` after every backward pass.
+
+    Args:
+        model: the model to train
+        batches: an iterable of `(x, y)` batches, one step each
+        opt: the optimizer of the model's parameters
+        weight: the parameter tensor to watch
+        index: the index of the watched element in `weight`
+    """
     grads = []
     for xb, yb in batches:
         loss_func(model(xb), yb).backward()
@@ -457,7 +528,12 @@ def record_gradient(model,  # the model to train
 
 # %% ../../nbs/02_momentum.ipynb #c068
 class GradientStreamWidget(FigureWidget):
-    "A recorded gradient stream with its momentum average (beta) and its squared average (beta2), raw and debiased."
+    """A recorded gradient stream with its momentum average (beta) and its squared average (beta2), raw and debiased.
+
+    Args:
+        grads: one weight's gradient at each step (a 1-D tensor or array)
+        beta2: starting averaging factors
+    """
     def __init__(self,
                  grads,  # one weight's gradient at each step (a 1-D tensor or array)
                  beta=0.9, beta2=0.99,  # starting averaging factors

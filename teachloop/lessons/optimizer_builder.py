@@ -133,7 +133,12 @@ def recipe_code(cbs, hypers=HYPERS):
 
 # %% ../../nbs/07c_optimizer_builder.ipynb #b021
 class OptimizerBuilder(FigureWidget):
-    "Assemble an optimizer from ticked callbacks; see its code, its path on a surface and a short fit on the digits."
+    """Assemble an optimizer from ticked callbacks; see its code, its path on a surface and a short fit on the digits.
+
+    Args:
+        ticked: labels of `PALETTE` ticked at first
+        lr: starting learning rate
+    """
     def __init__(self,
                  ticked=('decoupled weight decay', 'average the gradient, dampened', 'average the squared gradient',
                          'count the steps', 'step: debiased averages (Adam)'),  # labels of `PALETTE` ticked at first

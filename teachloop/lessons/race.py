@@ -79,7 +79,13 @@ def run_race(contenders,  # {name: Racer}
          seeds=(0, 1, 2),  # the first one sweeps the learning rates
          n_epoch=8,  # every run's budget
         ):
-    "Sweep each contender's learning rates on `seeds[0]`, then run its best on every seed: {name: results}."
+    """Sweep each contender's learning rates on `seeds[0]`, then run its best on every seed: {name: results}.
+
+    Args:
+        contenders: {name: Racer}
+        seeds: the first one sweeps the learning rates
+        n_epoch: every run's budget
+    """
     results = {}
     for name, racer in contenders.items():
         sweep = {lr: race_run(racer, lr, seeds[0], n_epoch) for lr in racer.lrs}

@@ -280,7 +280,12 @@ class HyperGroup(dict):
              alias,  # torch's name to show `mom` under: 'betas', 'momentum' or None
              on_change=None,  # `f(group, name, old_value)`, called after a hyper-parameter changed (None: nothing)
             ):
-        "Show `mom` under torch's name `alias` from now on, and report changes to `on_change`; returns the group."
+        """Show `mom` under torch's name `alias` from now on, and report changes to `on_change`; returns the group.
+
+        Args:
+            alias: torch's name to show `mom` under: 'betas', 'momentum' or None
+            on_change: `f(group, name, old_value)`, called after a hyper-parameter changed (None: nothing)
+        """
         self.alias, self.on_change = alias, on_change
         if alias: self._mirror()
         return self
@@ -347,7 +352,14 @@ def _check_no_duplicates(groups):
 
 # %% ../../nbs/01_optimizer.ipynb #c016
 class Optimizer(torch.optim.Optimizer):
-    "A torch optimizer whose `step` runs the optimizer callbacks `cbs` on each parameter."
+    """A torch optimizer whose `step` runs the optimizer callbacks `cbs` on each parameter.
+
+    Args:
+        params: tensors, lists of tensors (one list per group), or torch-style group dicts
+        cbs: optimizer callbacks, run in this order on each parameter at every step
+        fast: multi-tensor step (notebook 08): `None` when one exists, `True` always, `False` never
+        defaults: hyper-parameters shared by all groups (`lr`, `mom`, ...)
+    """
     kept_in_groups = ()  # names of values a subclass keeps in each group (state, not hyper-parameters)
     def __init__(self,
                  params,  # tensors, lists of tensors (one list per group), or torch-style group dicts
@@ -515,7 +527,14 @@ def declare_optimizer(optimizer,  # the exported optimizer (a function or class)
                       make=None,  # how to make it, if not `optimizer(params, **setting)`
                       **info,  # the other fields of `OptimizerInfo`
                      ):
-    "Describe `optimizer` for the checks every optimizer passes (`OPTIMIZERS`); return it."
+    """Describe `optimizer` for the checks every optimizer passes (`OPTIMIZERS`); return it.
+
+    Args:
+        optimizer: the exported optimizer (a function or class)
+        settings: hyper-parameter settings to check it with
+        make: how to make it, if not `optimizer(params, **setting)`
+        info: the other fields of `OptimizerInfo`
+    """
     if info.get('step_count', 'parameter') not in ('parameter', 'group'):
         raise ValueError(f"step_count must be 'parameter' or 'group', got {info['step_count']!r}")
     OPTIMIZERS[optimizer.__name__] = OptimizerInfo(make or optimizer, list(settings), **info)

@@ -30,7 +30,12 @@ __all__ = ['fused_patterns', 'TensorGroup', 'multi_tensor_version_of', 'per_step
 
 # %% ../../nbs/08_fast_optimizers.ipynb #c004
 class TensorGroup:
-    "The parameters of one group that have gradients, with their gradients and per-parameter state dicts."
+    """The parameters of one group that have gradients, with their gradients and per-parameter state dicts.
+
+    Args:
+        params: parameters that have a gradient
+        states: their state dicts, changed in place like the callbacks' returned dicts
+    """
     def __init__(self,
                  params,  # parameters that have a gradient
                  states,  # their state dicts, changed in place like the callbacks' returned dicts

@@ -42,7 +42,14 @@ def write_hyper(group, location, value):
 
 # %% ../../nbs/09_interop.ipynb #c011
 class OptimWrapper:
-    "A torch.optim optimizer used through teachloop's hyper-parameter names, by the `Learner` and its schedulers."
+    """A torch.optim optimizer used through teachloop's hyper-parameter names, by the `Learner` and its schedulers.
+
+    Args:
+        params: tensors, lists of tensors (one per group) or torch-style group dicts
+        opt: a torch.optim optimizer class, e.g. `torch.optim.AdamW`
+        lr: learning rate
+        kwargs: other arguments of `opt`, in its own names (`betas`, `weight_decay`, ...)
+    """
     def __init__(self,
                  params,  # tensors, lists of tensors (one per group) or torch-style group dicts
                  opt,  # a torch.optim optimizer class, e.g. `torch.optim.AdamW`

@@ -40,7 +40,14 @@ def newton_schulz(matrix,  # a matrix, or a batch of them stacked on the first d
                   eps=1e-7,  # floor of the norm the matrix is divided by first (a zero matrix stays zero)
                   dtype=torch.bfloat16,  # precision of the products (torch.optim.Muon: bfloat16)
                   coefficients=NS_COEFFICIENTS):
-    "Approximately orthogonalise `matrix` (each of a batch): singular values pushed towards 1, vectors kept."
+    """Approximately orthogonalise `matrix` (each of a batch): singular values pushed towards 1, vectors kept.
+
+    Args:
+        matrix: a matrix, or a batch of them stacked on the first dimensions
+        steps: iterations of the quintic polynomial
+        eps: floor of the norm the matrix is divided by first (a zero matrix stays zero)
+        dtype: precision of the products (torch.optim.Muon: bfloat16)
+    """
     a, b, c = coefficients
     x = matrix.to(dtype)
     tall = matrix.size(-2) > matrix.size(-1)
@@ -109,7 +116,13 @@ def Muon(params, lr=1e-3, mom=0.95, wd=0.1, nesterov=True, ns_steps=5, ns_eps=1e
 
 # %% ../../nbs/07a_recent_optimizers.ipynb #c014
 class GroupedOptimizer(Optimizer):
-    "An `Optimizer` whose groups each run the callbacks `cbs[group['kind']]`."
+    """An `Optimizer` whose groups each run the callbacks `cbs[group['kind']]`.
+
+    Args:
+        params: group dicts, each with a 'kind' that is a key of `cbs`
+        cbs: {kind: list of optimizer callbacks}
+        fast: as for `Optimizer`
+    """
     def __init__(self,
                  params,  # group dicts, each with a 'kind' that is a key of `cbs`
                  cbs,  # {kind: list of optimizer callbacks}
@@ -150,7 +163,12 @@ def output_layers(model, kind=nn.Linear):
 def muon_splitter(model,  # the model whose parameters to split
                   head=None,  # name(s) of the output layer(s); None: found by tracing the model (`output_layers`)
                  ):
-    "Two groups: the 2-D weights of `model`'s `Linear` layers but the head's (kind 'muon'), and the rest (kind 'adamw')."
+    """Two groups: the 2-D weights of `model`'s `Linear` layers but the head's (kind 'muon'), and the rest (kind 'adamw').
+
+    Args:
+        model: the model whose parameters to split
+        head: name(s) of the output layer(s); None: found by tracing the model (`output_layers`)
+    """
     heads = output_layers(model) if head is None else [head] if isinstance(head, str) else list(head)
     modules = dict(model.named_modules())
     unknown = [name for name in heads if name not in modules]
@@ -168,7 +186,14 @@ def MuonAdamW(params,  # groups from `muon_splitter` (or any groups tagged 'muon
               adjust_lr='match_rms_adamw',  # Moonshot's ratio: the AdamW groups can share `lr` and `wd`
               adam_mom=0.9, sqr_mom=0.95, eps=1e-8,  # the AdamW groups' betas and eps (Moonshot's)
               fast=None):
-    "Muon on the groups of kind 'muon', AdamW on those of kind 'adamw': one optimizer, one `lr` and `wd`."
+    """Muon on the groups of kind 'muon', AdamW on those of kind 'adamw': one optimizer, one `lr` and `wd`.
+
+    Args:
+        params: groups from `muon_splitter` (or any groups tagged 'muon' or 'adamw')
+        ns_eps: Muon's, as in `Muon`
+        adjust_lr: Moonshot's ratio: the AdamW groups can share `lr` and `wd`
+        eps: the AdamW groups' betas and eps (Moonshot's)
+    """
     check_adjust_lr(adjust_lr)
     averaged = partial(average_grad, dampening=True)
     cbs = {'muon': [weight_decay, averaged, partial(momentum_direction, nesterov=nesterov), orthogonalize_grad,
@@ -377,7 +402,13 @@ def recompute_batchnorm(model,  # the model, holding the weights to evaluate
                         inputs,  # an iterable of input tuples for the model (training batches without targets)
                         n_batches=50,  # how many of them to run
                        ):
-    "Recompute the running statistics of `model`'s BatchNorm layers as their average over `n_batches` of `inputs`."
+    """Recompute the running statistics of `model`'s BatchNorm layers as their average over `n_batches` of `inputs`.
+
+    Args:
+        model: the model, holding the weights to evaluate
+        inputs: an iterable of input tuples for the model (training batches without targets)
+        n_batches: how many of them to run
+    """
     layers = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm) and m.track_running_stats]
     if not layers: return 0
     momenta, was_training, seen = [m.momentum for m in layers], model.training, 0
@@ -580,7 +611,12 @@ def ademamix_step_multi(group, lr, mom, sqr_mom, eps, step, slow_mix, slow_mix_w
 def fused_per_parameter_on_cpu(callbacks,  # the callbacks the step does, in order
                                one_parameter,  # `f(p, state, **hypers)`: what they do to one parameter, on a CPU
                               ):
-    "Add to `fused_patterns` a step for `callbacks`: `one_parameter` on each parameter on a CPU, multi-tensor elsewhere."
+    """Add to `fused_patterns` a step for `callbacks`: `one_parameter` on each parameter on a CPU, multi-tensor elsewhere.
+
+    Args:
+        callbacks: the callbacks the step does, in order
+        one_parameter: `f(p, state, **hypers)`: what they do to one parameter, on a CPU
+    """
     def fused(group, **hypers):
         if group.params[0].device.type != 'cpu':
             for callback in callbacks:

@@ -152,3 +152,46 @@ def test_every_lesson_ends_with_exercises_whose_solutions_check_their_answers(st
     assert not unchecked, f"{stem}: solution cells without an assert: {unchecked}"
     stray = [c.id for c in nb.cells if is_solution(c) and c not in cells]
     assert not stray, f"{stem}: solution cells outside the exercises: {stray}"
+
+
+# Numbers that prose may state as written: settings the reader is asked to use, versions, and arithmetic or math of
+# stated settings. Any other number of three significant digits or more in a lesson's prose is a measurement, and comes
+# from the cell that computes it (a Markdown output built in the cell).
+STATED = {
+    '02_momentum': {'0.667', '0.923'},  # convergence rates of the quadratic's analysis, for the stated settings
+    '06_schedule': {'11.25'},  # a quarter of the fit's 45 batch intervals
+    '07_optimizers': {'0.999', '0.9999', '1.01'},  # settings an exercise asks to try
+    '07a_recent_optimizers': {'2.14', '1.26'},  # torch's version; a fixed point of Muon's polynomial
+    '10a_sharpness': {'13.3'},  # 2 / 0.15, the stability line of a stated learning rate
+    '13b_export': {'2.14'},  # torch's version
+}
+# Tables of benchmark runs too long for a notebook; the prose names the script that measures them.
+BENCHMARK_TABLES = {'12_nan_capture': 'bench/nan_capture_overhead.py', '15_distributed': 'bench/distributed_scaling.py'}
+
+
+def stated_numbers(nb):
+    "The decimals of three or more significant digits in the markdown cells, outside code and math."
+    found = []
+    for c in nb.cells:
+        if c.cell_type != 'markdown': continue
+        text = re.sub(r'```.*?```|`[^`]*`|\$\$.*?\$\$|\$[^$]*\$', '', c.source, flags=re.DOTALL)
+        for m in re.finditer(r'(?<![\w.^/-])(\d+\.\d+)(?!\w|\.\d)', text):
+            if len(m.group(1).replace('.', '').lstrip('0')) >= 3: found.append(m.group(1))
+    return found
+
+
+def test_stated_numbers_are_found_outside_code_and_math():
+    cells = [nbformat.v4.new_markdown_cell('lr 0.1, beta 0.999, `x = 0.123`, $0.456$, and an accuracy of 0.955.')]
+    assert stated_numbers(nbformat.v4.new_notebook(cells=cells)) == ['0.999', '0.955']
+
+
+@pytest.mark.parametrize('stem', COURSE)
+def test_numbers_measured_by_a_cell_are_inserted_by_it(stem):
+    if stem not in lessons(): return
+    nb = notebook(stem)
+    if stem in BENCHMARK_TABLES:
+        assert any(BENCHMARK_TABLES[stem] in c.source for c in nb.cells if c.cell_type == 'markdown'), stem
+        return
+    typed = sorted(set(stated_numbers(nb)) - STATED.get(stem, set()))
+    assert not typed, (f"{stem}: numbers typed into prose {typed}: build the sentence in the cell that computes them "
+                       "(`Markdown(f'...')`), or, for a setting or a version, add them to STATED with the reason")

@@ -262,7 +262,7 @@ def exported_callbacks():
         for name in getattr(loaded, '__all__', ()):
             obj = getattr(loaded, name)
             if isinstance(obj, type) and issubclass(obj, Callback) and obj is not Callback:
-                # by the class's own name: an alias (fastai's `EarlyStoppingCallback`) is the class it names
+                # by the class's own name (fastai's `EarlyStoppingCallback` is a function that makes an `EarlyStopping`)
                 (designs if obj.__module__.startswith('teachloop.designs') else found).setdefault(obj.__name__, obj.__module__)
     return found, designs
 

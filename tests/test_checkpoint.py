@@ -221,6 +221,7 @@ def test_resume_needs_the_callbacks_whose_state_was_saved(tmp_path):
     fresh.fit(2, cbs=[EarlyStopping('valid_loss', 'min', patience=3)], resume=tmp_path / 'latest.pt')
 
 
+
 class Scripted:
     "A metric whose value at epoch e is `values[e]`."
     __name__ = 'score'
@@ -274,6 +275,49 @@ def test_early_stopping_resumes_with_its_patience(tmp_path):
     stopper = EarlyStopping('score', 'max', patience=2)
     resumed.fit(6, cbs=[stopper], resume=tmp_path / 'latest.pt')
     assert stopper.stopped_epoch == 3 and weights_equal(straight, resumed) and history(straight) == history(resumed)
+
+
+@pytest.mark.parametrize('cls', [EarlyStopping, SaveModel, ReduceLROnPlateau])
+def test_a_resume_with_a_tracker_of_another_monitor_or_mode_is_refused_before_anything_changes(tmp_path, cls):
+    "Its best value is of the value it followed: compared with another one's, it would decide at random."
+    def tracker(monitor, mode):
+        return cls(monitor, mode, path=tmp_path / 'best.pt') if cls is SaveModel else cls(monitor, mode, patience=3)
+    values = [0.5, 0.4, 0.45, 0.3]
+    source = scripted_learner(values)
+    source.fit(4, cbs=[tracker('score', 'max'), Checkpoint(tmp_path), StopAfterEpoch(1)])
+    assert {'monitor': 'score', 'mode': 'max'}.items() <= read_checkpoint(tmp_path / 'latest.pt')['callbacks'][
+        tracker('score', 'max').name].items()
+    learn = scripted_learner(values, seed=1)
+    learn.fit(1)
+    before = snapshot(learn)
+    for monitor, mode in [('valid_loss', 'min'), ('score', 'min')]:
+        with pytest.raises(ValueError, match=rf"followed 'score' \(mode='max'\), this {cls.__name__} follows "
+                                             rf"'{monitor}' \(mode='{mode}'\).*Resume with {cls.__name__}\('score', "
+                                             r"'max', \.\.\.\).*or start a new fit"):
+            learn.fit(4, cbs=[tracker(monitor, mode)], resume=tmp_path / 'latest.pt')
+        assert_unchanged(learn, before)
+    resumed = tracker('score', 'max')
+    learn.fit(4, cbs=[resumed], resume=tmp_path / 'latest.pt')  # the same monitor and mode: it goes on
+    assert resumed.best == pytest.approx(0.5) and len(learn.recorder.values) == 4
+
+
+def test_a_trackers_state_saved_without_its_monitor_is_taken(tmp_path):
+    "A checkpoint written before trackers saved what they followed says nothing: it resumes as before."
+    values = [0.5, 0.4, 0.45, 0.3, 0.35]
+    straight = scripted_learner(values)
+    straight.fit(5, cbs=[EarlyStopping('score', 'max', patience=3)])
+    source = scripted_learner(values)
+    source.fit(5, cbs=[EarlyStopping('score', 'max', patience=3), Checkpoint(tmp_path), StopAfterEpoch(1)])
+    state = torch.load(tmp_path / 'latest.pt', weights_only=True)
+    for key in ('monitor', 'mode'): del state['callbacks']['early_stopping'][key]
+    torch.save(state, tmp_path / 'older.pt')
+    resumed, stopper = scripted_learner(values), EarlyStopping('score', 'max', patience=3)
+    resumed.fit(5, cbs=[stopper], resume=tmp_path / 'older.pt')
+    assert weights_equal(straight, resumed) and history(straight) == history(resumed) and stopper.best == pytest.approx(0.5)
+    other = EarlyStopping('valid_loss', 'min')
+    other.load_state_dict(state['callbacks']['early_stopping'])  # nothing says it differs: taken, as before
+    with pytest.raises(ValueError, match="followed 'score'"):
+        other.load_state_dict(read_checkpoint(tmp_path / 'latest.pt')['callbacks']['early_stopping'])
 
 
 def test_save_model_keeps_the_best_epoch(tmp_path):

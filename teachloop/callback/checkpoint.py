@@ -204,11 +204,18 @@ def _check_callbacks_present(state, cbs):
     if missing: raise ValueError(f"the checkpoint holds the state of callbacks {missing}, which this fit lacks; "
                                  "resume with the same callbacks as the interrupted fit")
 
+def _check_callback_states(state, cbs):
+    "Let each callback of `cbs` with a `check_state_dict` method refuse its state in `state`, before any is loaded."
+    for cb in cbs:
+        if cb.name in state['callbacks'] and callable(getattr(type(cb), 'check_state_dict', None)):
+            cb.check_state_dict(state['callbacks'][cb.name])
+
 def check_checkpoint_fits(learn, state, n_epoch, cbs=(), path=None):
     "Raise `ValueError` if `fit(n_epoch, cbs=cbs, resume=path)` cannot continue from `state` on `learn`."
     check_state_matches(learn.model, state['model'])
     optimizer_with_state(learn, state['opt'])  # a trial load: an optimizer of another kind fails here, not mid-fit
     _check_callbacks_present(state, learn.cbs + list(cbs))
+    _check_callback_states(state, learn.cbs + list(cbs))
     progress = state['progress']
     if progress.get('behind'):
         raise ValueError(f"this checkpoint was written at the end of epoch {progress['epochs_done'] - 1} before "
@@ -240,6 +247,7 @@ def restore_checkpoint(learn, state):
     "Put the weights, optimizer, callback states, history, generators and progress of `state` into `learn`."
     names = {cb.name for cb in learn.cbs}
     _check_callbacks_present(state, learn.cbs)
+    _check_callback_states(state, learn.cbs)
     restore_training_state(learn, state['model'], state['opt'])
     for cb in learn.cbs:
         if cb.name in state['callbacks']: cb.load_state_dict(state['callbacks'][cb.name])

@@ -7,16 +7,22 @@ lower the learning rate on a plateau."""
 from __future__ import annotations
 
 import math
+import operator
 import re
 from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+from fastcore.basics import patch
 
 from ..core import check_count, check_save_path, written_by_rank_zero
 from ..learner import Callback, CancelFitException
 from .schedule import check_hyper_writers
 
 # %% auto #0
-__all__ = ['LOWER_IS_BETTER', 'HIGHER_IS_BETTER', 'EarlyStoppingCallback', 'SaveModelCallback', 'monitor_mode', 'TrackerCallback',
-           'SaveModel', 'EarlyStopping', 'ReduceLROnPlateau']
+__all__ = ['LOWER_IS_BETTER', 'HIGHER_IS_BETTER', 'monitor_mode', 'TrackerCallback', 'SaveModel', 'EarlyStopping',
+           'ReduceLROnPlateau', 'EarlyStoppingCallback', 'SaveModelCallback']
 
 # %% ../../nbs/13a_trackers.ipynb #m01
 LOWER_IS_BETTER = {'loss', 'error', 'err', 'mse', 'rmse', 'mae', 'perplexity', 'brier'}
@@ -75,8 +81,9 @@ class TrackerCallback(Callback):
         if self.improved: self.best, self.wait = value, 0
         else: self.wait += 1
 
-    def state_dict(self): return {'best': self.best, 'wait': self.wait, 'epochs_seen': self.epochs_seen}
+    def state_dict(self): return {k: getattr(self, k) for k in ('best', 'wait', 'epochs_seen', 'monitor', 'mode')}
     def load_state_dict(self, state):
+        self.check_state_dict(state)  # another monitor's state is refused (under the hood, below)
         self.best, self.wait, self.epochs_seen = state['best'], state['wait'], state.get('epochs_seen', math.inf)
     def caught_up(self, epochs_done): return self.epochs_seen >= epochs_done  # a checkpoint's `behind` (notebook 13)
 
@@ -147,6 +154,110 @@ class ReduceLROnPlateau(TrackerCallback):
         self.opt.set_hyper('lr', [max(h['lr'] * self.factor, self.min_lr) for h in self.opt.hypers])
         self.wait = 0
 
+# %% ../../nbs/13a_trackers.ipynb #x25t07
+@patch
+def check_state_dict(self:TrackerCallback, state):
+    "Raise `ValueError` if `state` follows another value or direction than this tracker (a state that says none fits)."
+    saved = state.get('monitor', self.monitor), state.get('mode', self.mode)
+    if saved == (self.monitor, self.mode): return
+    kind, best = type(self).__name__, state.get('best')
+    best = f"{best:.4g}" if isinstance(best, (int, float)) else repr(best)
+    raise ValueError(f"the checkpoint's {self.name} followed {saved[0]!r} (mode={saved[1]!r}), this {kind} follows "
+                     f"{self.monitor!r} (mode={self.mode!r}): its best value so far, {best}, would be compared with "
+                     f"values of another kind. Resume with {kind}({saved[0]!r}, {saved[1]!r}, ...) as in the "
+                     f"interrupted fit, or start a new fit (without resume=) to follow {self.monitor!r}")
+
 # %% ../../nbs/13a_trackers.ipynb #f02
-EarlyStoppingCallback = EarlyStopping  # fastai's name for the same class
-SaveModelCallback = SaveModel  # fastai's name for the same class (its `fname` is our `path`)
+_COMPARISONS = {np.less: 'min', np.greater: 'max', operator.lt: 'min', operator.gt: 'max', torch.lt: 'min',
+                torch.gt: 'max', torch.less: 'min', torch.greater: 'max'}
+
+def _mode_of_comp(comp, mode, maker):
+    "teachloop's `mode` for fastai's comparison `comp` given to `maker` (None: `mode`)."
+    if comp is None: return mode
+    if mode != 'auto': raise ValueError(f"{maker} takes fastai's comp or teachloop's mode, not both: give mode={mode!r} alone")
+    if isinstance(comp, str):
+        raise ValueError(f"comp is fastai's comparison function (np.less: lower is better, np.greater: higher is better); "
+                         f"for teachloop's direction write mode={comp!r}")
+    try: found = _COMPARISONS.get(comp)
+    except TypeError: found = None  # an unhashable comparison is none of them
+    if found is None:
+        raise ValueError(f"{maker} takes comp=np.less (mode='min') or comp=np.greater (mode='max'); an epoch improves here "
+                         f"when it beats the best value by more than min_delta, so {getattr(comp, '__name__', comp)!r} "
+                         "has no equivalent: give mode='min' or mode='max' (and min_delta)")
+    return found
+
+def _check_reset_on_fit(reset_on_fit, maker):
+    "Refuse fastai's `reset_on_fit=False` given to `maker`: every fit starts afresh here."
+    if not reset_on_fit:
+        raise ValueError(f"{maker}(reset_on_fit=False): teachloop's trackers start every fit afresh (fastai's default, "
+                         "reset_on_fit=True) and do not carry a best value into the next fit; a fit continued with "
+                         "fit(n_epoch, resume=path) keeps its best value and patience")
+
+# %% ../../nbs/13a_trackers.ipynb #x25t08
+def EarlyStoppingCallback(monitor='valid_loss',  # the recorded value to follow, as in `EarlyStopping`
+                          comp=None,  # fastai's direction: np.less is mode='min', np.greater mode='max', None mode
+                          min_delta=0.,  # an improvement must beat the best value by more than this
+                          patience=1,  # epochs without improvement before the fit stops
+                          reset_on_fit=True,  # fastai's; only True: every fit starts afresh here
+                          *,
+                          mode='auto',  # teachloop's direction, when comp is not given
+                          restore_best=True,  # end with the best epoch's weights (False: the last ones, as fastai's)
+                         ):
+    """fastai's name and arguments for an `EarlyStopping`: `comp` becomes `mode` (the table above).
+
+    Args:
+        monitor: the recorded value to follow, as in `EarlyStopping`
+        comp: fastai's direction: np.less is mode='min', np.greater mode='max', None mode
+        min_delta: an improvement must beat the best value by more than this
+        patience: epochs without improvement before the fit stops
+        reset_on_fit: fastai's; only True: every fit starts afresh here
+        mode: teachloop's direction, when comp is not given
+        restore_best: end with the best epoch's weights (False: the last ones, as fastai's)
+    """
+    mode = _mode_of_comp(comp, mode, 'EarlyStoppingCallback')
+    _check_reset_on_fit(reset_on_fit, 'EarlyStoppingCallback')
+    return EarlyStopping(monitor, mode, patience, min_delta, restore_best)
+
+# %% ../../nbs/13a_trackers.ipynb #x25t09
+def SaveModelCallback(monitor='valid_loss',  # the recorded value to follow, as in `SaveModel`
+                      comp=None,  # fastai's direction: np.less is mode='min', np.greater mode='max', None mode
+                      min_delta=0.,  # an improvement must beat the best value by more than this
+                      fname=None,  # fastai's file name: the weights go to models/{fname}.pth (None: 'model', unless path)
+                      every_epoch=False,  # fastai's; only False: the best epoch's weights, in one file
+                      at_end=False,  # fastai's; only False: the best weights, not the last ones
+                      with_opt=False,  # fastai's; only False: the weights without the optimizer's state
+                      reset_on_fit=True,  # fastai's; only True: every fit starts afresh here
+                      *,
+                      mode='auto',  # teachloop's direction, when comp is not given
+                      path=None,  # teachloop's file for the best weights, instead of fname
+                     ):
+    """fastai's name and arguments for a `SaveModel`: `comp` becomes `mode`, `fname` the `path` (the table above).
+
+    Args:
+        monitor: the recorded value to follow, as in `SaveModel`
+        comp: fastai's direction: np.less is mode='min', np.greater mode='max', None mode
+        min_delta: an improvement must beat the best value by more than this
+        fname: fastai's file name: the weights go to models/{fname}.pth (None: 'model', unless path)
+        every_epoch: fastai's; only False: the best epoch's weights, in one file
+        at_end: fastai's; only False: the best weights, not the last ones
+        with_opt: fastai's; only False: the weights without the optimizer's state
+        reset_on_fit: fastai's; only True: every fit starts afresh here
+        mode: teachloop's direction, when comp is not given
+        path: teachloop's file for the best weights, instead of fname
+    """
+    mode = _mode_of_comp(comp, mode, 'SaveModelCallback')
+    if every_epoch:
+        raise ValueError(f"SaveModelCallback(every_epoch={every_epoch!r}): SaveModel keeps the best epoch's weights in one "
+                         "file; for a file every n epochs use Checkpoint(folder, every_n_epochs=n), which a fit can also "
+                         "resume from")
+    if at_end:
+        raise ValueError("SaveModelCallback(at_end=True): SaveModel writes the best epoch's weights, not the last ones; "
+                         "to keep the weights a fit ends with, call learn.save(path, with_opt=False) after it")
+    if with_opt:
+        raise ValueError("SaveModelCallback(with_opt=True): SaveModel writes the weights only; to keep the optimizer's "
+                         "state and go on training, use Checkpoint(folder) and fit(n_epoch, resume=path)")
+    _check_reset_on_fit(reset_on_fit, 'SaveModelCallback')
+    if fname is not None and path is not None:
+        raise ValueError(f"SaveModelCallback takes fname (fastai's: models/{fname}.pth) or path, not both")
+    if path is None: path = Path('models') / f"{'model' if fname is None else fname}.pth"  # fastai's, in learn.path '.'
+    return SaveModel(monitor, mode, path, min_delta)

@@ -2,7 +2,13 @@
 callbacks, teachloop's fast step, and the reference implementations (torch.optim's for-loop, foreach and fused modes;
 the `schedulefree` package for Schedule-Free AdamW), measured side by side. Muon steps the 20 weight matrices only.
 
+Muon's Newton-Schulz multiplies in bfloat16 in torch.optim.Muon, and in teachloop's Muon where bfloat16 is fast (a GPU,
+a CPU with bfloat16 instructions); on a CPU that emulates bfloat16, teachloop multiplies in float32 (`ns_dtype_for`).
+`--emulate-bfloat16` switches oneDNN off, so that bfloat16 products take torch's generic loop as on such a CPU; its
+slow steps are timed with fewer steps per round (as many as fit in about half a second, at least one):
+
     python bench/optimizer_step.py [--steps 50] [--rounds 5] [--device cpu|cuda] [--threads 1] [--only Muon AdEMAMix]
+    python bench/optimizer_step.py --only Muon --emulate-bfloat16 --rounds 3
 """
 import argparse
 import statistics
@@ -14,6 +20,7 @@ from torch import nn
 
 from teachloop.all import SGD, Adam, RMSProp  # teachloop.all switches the fast path on (teachloop.optim.fast)
 from teachloop.all import AdEMAMix, Adafactor, Lamb, Muon, ScheduleFreeAdamW
+from teachloop.optim.recent import ns_dtype_for
 
 try: import schedulefree
 except ImportError: schedulefree = None  # a test-only dependency: its contender is left out without it
@@ -65,6 +72,7 @@ def contenders():
         'LAMB': {'teachloop callbacks': partial(Lamb, fast=False), 'teachloop fast': Lamb},
         'Muon': {'teachloop callbacks': partial(matrices_only, Muon, lr=0.02, fast=False),
                  'teachloop fast': partial(matrices_only, Muon, lr=0.02),
+                 'teachloop fast, bfloat16': partial(matrices_only, Muon, lr=0.02, ns_dtype=torch.bfloat16),
                  'torch': partial(matrices_only, torch.optim.Muon, lr=0.02)},
         'Adafactor': {'teachloop callbacks': partial(Adafactor, fast=False), 'teachloop fast': Adafactor,
                       **torch_modes(torch.optim.Adafactor)},
@@ -90,22 +98,26 @@ def time_steps(opt, n_steps, device):
     return (time.perf_counter() - start) / n_steps
 
 
-def bench(algorithm_contenders, n_steps, n_rounds, device):
+def bench(algorithm_contenders, n_steps, n_rounds, device, round_seconds=0.5):
     "Median over rounds of the time per step; the contenders take turns within each round."
     opts = {name: make(f, device) for name, f in algorithm_contenders.items()}
-    for opt in opts.values(): time_steps(opt, 3, device)
+    steps_per_round = {}
+    for name, opt in opts.items():
+        first = time_steps(opt, 1, device)  # plans the fast step
+        if first < round_seconds: time_steps(opt, 2, device)
+        steps_per_round[name] = max(1, min(n_steps, int(round_seconds / first)))  # a slow step: fewer per round
     times = {name: [] for name in opts}
     for _ in range(n_rounds):
-        for name, opt in opts.items(): times[name].append(time_steps(opt, n_steps, device))
+        for name, opt in opts.items(): times[name].append(time_steps(opt, steps_per_round[name], device))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def report(algorithm, times):
     print(f"\n{algorithm}")
-    for name, t in times.items(): print(f"  {name:<20} {t * 1e6:10.0f} us")
+    for name, t in times.items(): print(f"  {name:<26} {t * 1e6:10.0f} us")
     fast = times['teachloop fast']
     for other in times:
-        if other != 'teachloop fast': print(f"  teachloop fast / {other:<22} {fast / times[other]:6.2f}x")
+        if other != 'teachloop fast': print(f"  teachloop fast / {other:<26} {fast / times[other]:6.2f}x")
 
 
 def main():
@@ -115,11 +127,15 @@ def main():
     parser.add_argument('--device', default='cuda' if torch.cuda.is_available() else 'cpu')
     parser.add_argument('--threads', type=int, default=1)
     parser.add_argument('--only', nargs='*', default=None, help="the algorithms to time (default: all)")
+    parser.add_argument('--emulate-bfloat16', action='store_true',
+                        help="switch oneDNN off: bfloat16 products as on a CPU without bfloat16 instructions")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.emulate_bfloat16: torch.backends.mkldnn.enabled = False
     n_params = sum(p.numel() for p in mlp().parameters())
     print(f"optimizer step on a 20 x (Linear 256 + LayerNorm) MLP, {n_params / 1e6:.2f} M parameters, "
-          f"{args.device}, {args.threads} thread(s), torch {torch.__version__}")
+          f"{args.device}, {args.threads} thread(s), torch {torch.__version__}; teachloop's Muon multiplies in "
+          f"{ns_dtype_for(args.device)}{' (bfloat16 emulated)' if args.emulate_bfloat16 else ''}")
     for algorithm, algorithm_contenders in contenders().items():
         if args.only and algorithm not in args.only: continue
         report(algorithm, bench(algorithm_contenders, args.steps, args.rounds, args.device))

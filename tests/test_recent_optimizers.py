@@ -1,14 +1,21 @@
 "Muon, Adafactor, AdEMAMix, Schedule-Free, SOAP, NAdam and Adamax against independent implementations."
 import copy
+import os
+import platform
+import re
+from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from teachloop.optim import recent
 from teachloop.optim.recent import (AdEMAMix, Adafactor, GroupedOptimizer, Muon, MuonAdamW, ScheduleFreeAdamW,
-                                         ScheduleFreeSGD, SOAP, Adamax, NAdam, muon_splitter, newton_schulz)
+                                         ScheduleFreeSGD, SOAP, Adamax, NAdam, cpu_multiplies_bfloat16, muon_splitter,
+                                         newton_schulz, ns_dtype_for)
 from teachloop.testing import digits_batches
 
 N_STEPS = 40
@@ -35,6 +42,15 @@ def train(model, opts, batches):
 def max_diff(a, b): return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
 
 
+@contextmanager
+def onednn_off():
+    "A block in which bfloat16 products take torch's generic loop, as on a CPU without oneDNN's bfloat16 kernels."
+    was = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try: yield
+    finally: torch.backends.mkldnn.enabled = was
+
+
 # ---- Muon
 
 @pytest.mark.numeric
@@ -44,11 +60,11 @@ def test_newton_schulz_is_torchs_bit_for_bit_single_and_batched(shape):
     torch.manual_seed(0)
     matrices = torch.randn(3, *shape, dtype=torch.float64)
     theirs = torch.stack([_zeropower_via_newtonschulz(m, (3.4445, -4.775, 2.0315), 5, 1e-7) for m in matrices])
-    assert torch.equal(torch.stack([newton_schulz(m) for m in matrices]), theirs)
+    assert torch.equal(torch.stack([newton_schulz(m, dtype=torch.bfloat16) for m in matrices]), theirs)
     # The batched call runs the same bfloat16 products as one baddbmm; on the CPUs tried it gives the same bits. If a
     # kernel summed in another order, one rounding of a bfloat16 entry (relative 2**-8, entries below 1.3) is the
     # most that could differ.
-    assert (newton_schulz(matrices).double() - theirs.double()).abs().max() <= 1.3 * 2 ** -8
+    assert (newton_schulz(matrices, dtype=torch.bfloat16).double() - theirs.double()).abs().max() <= 1.3 * 2 ** -8
 
 
 @pytest.mark.numeric
@@ -60,7 +76,8 @@ def test_muon_matches_torch(adjust_lr, nesterov, fast, batches):
     # both run with the same operations: the weights agree exactly after 40 steps (0 tolerance, no reordering).
     start = digits_mlp(bias=False).double()
     ours, theirs = copy.deepcopy(start), copy.deepcopy(start)
-    train(ours, [Muon(ours.parameters(), lr=0.02, wd=0.01, nesterov=nesterov, adjust_lr=adjust_lr, fast=fast)], batches)
+    train(ours, [Muon(ours.parameters(), lr=0.02, wd=0.01, nesterov=nesterov, adjust_lr=adjust_lr,
+                      ns_dtype=torch.bfloat16, fast=fast)], batches)
     train(theirs, [torch.optim.Muon(theirs.parameters(), lr=0.02, weight_decay=0.01, nesterov=nesterov,
                                     adjust_lr_fn=adjust_lr)], batches)
     assert max_diff(ours, theirs) == 0 and max_diff(ours, start) > 1e-2
@@ -71,7 +88,7 @@ def test_muon_matches_torch(adjust_lr, nesterov, fast, batches):
 def test_muon_adamw_matches_torch_muon_beside_torch_adamw(fast, batches):
     start = digits_mlp().double()
     ours, theirs = copy.deepcopy(start), copy.deepcopy(start)
-    opt = MuonAdamW(muon_splitter(ours), lr=3e-3, wd=0.05, fast=fast)
+    opt = MuonAdamW(muon_splitter(ours), lr=3e-3, wd=0.05, ns_dtype=torch.bfloat16, fast=fast)
     train(ours, [opt], batches)
     muon, adamw = muon_splitter(theirs)
     train(theirs, [torch.optim.Muon(muon['params'], lr=3e-3, weight_decay=0.05, adjust_lr_fn='match_rms_adamw'),
@@ -80,6 +97,55 @@ def test_muon_adamw_matches_torch_muon_beside_torch_adamw(fast, batches):
     assert max_diff(ours, theirs) <= 1e-12 and max_diff(ours, start) > 1e-2
     for p in ours.parameters(): p.grad = torch.zeros_like(p)
     for group in opt.param_groups: assert (opt.fast_step_for(group['params'], group) is not None) == fast
+
+
+def test_newton_schulz_multiplies_in_bfloat16_unless_a_cpu_emulates_it():
+    assert ns_dtype_for('cuda') == ns_dtype_for(torch.device('cuda', 1)) == torch.bfloat16  # no GPU needed to ask
+    assert ns_dtype_for('cpu') == (torch.bfloat16 if cpu_multiplies_bfloat16() else torch.float32)
+    with onednn_off():
+        assert not cpu_multiplies_bfloat16() and ns_dtype_for('cpu') == torch.float32
+        assert newton_schulz(torch.ones(4, 6)).dtype == torch.float32
+
+
+@pytest.mark.skipif(platform.machine() != 'x86_64' or not Path('/proc/cpuinfo').exists(), reason="reads Linux's x86 flags")
+@pytest.mark.skipif(any(os.environ.get(f'{name}_MAX_CPU_ISA') for name in ('ONEDNN', 'DNNL')),
+                    reason="oneDNN is held below the CPU's instructions")
+def test_a_cpu_multiplies_bfloat16_where_it_has_avx512_bf16():
+    flags = re.search(r'^flags\s*:(.*)$', Path('/proc/cpuinfo').read_text(), re.MULTILINE).group(1).split()
+    assert cpu_multiplies_bfloat16() == ('avx512_bf16' in flags and torch.backends.mkldnn.is_available())
+
+
+@pytest.mark.numeric
+def test_float32_newton_schulz_is_near_bfloat16s_and_nearer_float64s():
+    torch.manual_seed(0)
+    matrix = torch.randn(48, 32, dtype=torch.float64)
+    exact, single, half = (newton_schulz(matrix, dtype=d).double() for d in (torch.float64, torch.float32, torch.bfloat16))
+    size = exact.norm()
+    assert (single - exact).norm() < 1e-5 * size and (half - exact).norm() < 0.05 * size
+
+
+@pytest.mark.parametrize('multiplies_bfloat16', [True, False])
+@pytest.mark.parametrize('fast', [False, True])
+def test_muon_by_default_multiplies_in_the_dtype_chosen_for_the_device(multiplies_bfloat16, fast, batches, monkeypatch):
+    monkeypatch.setattr(recent, 'cpu_multiplies_bfloat16', lambda: multiplies_bfloat16)
+    chosen, other = (torch.bfloat16, torch.float32) if multiplies_bfloat16 else (torch.float32, torch.bfloat16)
+    start = digits_mlp(bias=False)
+    fits = {dtype: copy.deepcopy(start) for dtype in (None, chosen, other)}
+    for dtype, model in fits.items(): train(model, [Muon(model.parameters(), lr=0.02, ns_dtype=dtype, fast=fast)], batches)
+    assert max_diff(fits[None], fits[chosen]) == 0 and max_diff(fits[None], fits[other]) > 0
+    assert Muon(start.parameters()).param_groups[0]['ns_dtype'] is None  # chosen at each step: a saved state travels
+
+
+@pytest.mark.numeric
+def test_where_a_cpu_emulates_bfloat16_torchs_muon_is_one_argument_away(batches):
+    start = digits_mlp(bias=False).double()
+    with onednn_off():
+        ours, theirs, default, single = (copy.deepcopy(start) for _ in range(4))
+        train(ours, [Muon(ours.parameters(), lr=0.02, ns_dtype=torch.bfloat16)], batches)
+        train(theirs, [torch.optim.Muon(theirs.parameters(), lr=0.02, weight_decay=0.1)], batches)
+        train(default, [Muon(default.parameters(), lr=0.02)], batches)
+        train(single, [Muon(single.parameters(), lr=0.02, ns_dtype=torch.float32)], batches)
+    assert max_diff(ours, theirs) == 0 and max_diff(default, single) == 0 and max_diff(default, theirs) > 0
 
 
 def test_muon_splitter_gives_hidden_matrices_to_muon_and_the_rest_to_adamw():
@@ -132,6 +198,9 @@ def test_muon_splitter_asks_for_the_head_when_the_model_cannot_be_traced():
     (lambda: Muon([nn.Parameter(torch.zeros(2, 2))], ns_steps=0), "ns_steps"),
     (lambda: Muon([nn.Parameter(torch.zeros(2, 2))], ns_steps=100), "ns_steps"),
     (lambda: Muon([nn.Parameter(torch.zeros(2, 2))], mom=1.), "mom"),
+    (lambda: Muon([nn.Parameter(torch.zeros(2, 2))], ns_dtype='bfloat16'), r"ns_dtype must be None .*torch.bfloat16"),
+    (lambda: Muon([nn.Parameter(torch.zeros(2, 2))], ns_dtype=torch.int8), "ns_dtype"),
+    (lambda: MuonAdamW([{'params': [nn.Parameter(torch.zeros(2, 2))], 'kind': 'muon'}], ns_dtype='bf16'), "ns_dtype"),
     (lambda: MuonAdamW(nn.Linear(2, 2).parameters()), "muon_splitter"),
     (lambda: MuonAdamW([{'params': [nn.Parameter(torch.zeros(2, 2))], 'kind': 'sgd'}]), "'kind'"),
     (lambda: MuonAdamW([{'params': [nn.Parameter(torch.zeros(2))], 'kind': 'muon'}]), "shape"),

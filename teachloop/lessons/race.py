@@ -45,9 +45,10 @@ def racers(n_steps):
     return {'SGD momentum': Racer(partial(SGD, mom=0.9), (0.03, 0.1, 0.3, 1.)),
             'AdamW': Racer(partial(Adam, sqr_mom=0.999, eps=1e-8, wd=0.01), ADAM_LRS),
             'LAMB': Racer(Lamb, ADAM_LRS),
-            'Lion': Racer(partial(Lion, wd=0.1), tuple(lr / 10 for lr in ADAM_LRS)),
+            'Lion': Racer(partial(Lion, wd=0.1), tuple(lr / 10 for lr in ADAM_LRS + (0.3,))),
             'Muon + AdamW': Racer(partial(MuonAdamW, wd=0.01), ADAM_LRS, splitter=muon_splitter),
-            'Schedule-Free AdamW': Racer(partial(ScheduleFreeAdamW, warmup_steps=warmup), ADAM_LRS, one_cycle=False),
+            'Schedule-Free AdamW': Racer(partial(ScheduleFreeAdamW, warmup_steps=warmup), ADAM_LRS + (0.3,),
+                                         one_cycle=False),
             'AdEMAMix': Racer(partial(AdEMAMix, slow_mix_warmup=n_steps, slow_mom_warmup=n_steps), ADAM_LRS),
             'SOAP': Racer(SOAP, ADAM_LRS)}
 
@@ -62,7 +63,7 @@ class StepTimer(Callback):
         self.steps += self.n_iter
 
 def race_run(racer, lr, seed=0, n_epoch=8, bs=64):
-    "Train `digits_mlp` with `racer` at `lr`, weights and batch order from `seed`: {'losses', 'accuracies', 'seconds_per_step'}."
+    "Train `digits_mlp` with `racer` at `lr`, weights and batch order from `seed`: losses, validation results, step time."
     set_seed(seed)
     extra = {'splitter': racer.splitter} if racer.splitter else {}
     learn = Learner(digits_dls(bs=bs, shuffle_seed=seed), digits_mlp(), F.cross_entropy, opt_func=racer.opt_func, lr=lr,
@@ -71,7 +72,8 @@ def race_run(racer, lr, seed=0, n_epoch=8, bs=64):
     timer = StepTimer()
     scheds = [ParamScheduler(one_cycle_scheds(lr, moms=None))] if racer.one_cycle else []
     learn.fit(n_epoch, cbs=scheds + [timer])
-    return {'losses': learn.recorder.losses, 'accuracies': [row[3] for row in learn.recorder.values],
+    return {'losses': learn.recorder.losses, 'valid_losses': [row[2] for row in learn.recorder.values],
+            'accuracies': [row[3] for row in learn.recorder.values],
             'seconds_per_step': timer.seconds / max(timer.steps, 1)}
 
 # %% ../../nbs/07b_optimizer_race.ipynb #c008

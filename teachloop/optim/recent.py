@@ -7,6 +7,7 @@ list of optimizer callbacks, checked against an independent implementation."""
 from __future__ import annotations
 
 import math
+import platform
 from functools import partial
 
 from fastcore.basics import patch
@@ -19,11 +20,12 @@ from .core import (ABOVE_0, AT_LEAST_0, IN_0_1, Optimizer, adam_step, average_gr
 from .more import WHOLE_AT_LEAST_1
 
 # %% auto #0
-__all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'AT_MOST_0', 'AT_LEAST_1', 'WHOLE_AT_LEAST_0', 'SCHEDULE_FREE_CLOCK',
-           'newton_schulz', 'momentum_direction', 'orthogonalize_grad', 'shape_scaled_step', 'muon_lr_ratio',
-           'check_muon_params', 'check_adjust_lr', 'Muon', 'GroupedOptimizer', 'output_layers', 'muon_splitter',
-           'MuonAdamW', 'relative_step_size', 'factored_sqr_grad', 'adafactor_step', 'sqr_grad_estimate', 'Adafactor',
-           'slow_mom_at', 'slow_average_grad', 'slow_mix_at', 'ademamix_step', 'AdEMAMix', 'schedule_free_weights',
+__all__ = ['NS_COEFFICIENTS', 'MUON_LR_RATIOS', 'NS_STEPS', 'NS_DTYPES', 'AT_MOST_0', 'AT_LEAST_1', 'WHOLE_AT_LEAST_0',
+           'SCHEDULE_FREE_CLOCK', 'newton_schulz', 'cpu_multiplies_bfloat16', 'ns_dtype_for', 'momentum_direction',
+           'orthogonalize_grad', 'shape_scaled_step', 'muon_lr_ratio', 'check_muon_params', 'check_adjust_lr',
+           'check_ns_dtype', 'Muon', 'GroupedOptimizer', 'output_layers', 'muon_splitter', 'MuonAdamW',
+           'relative_step_size', 'factored_sqr_grad', 'adafactor_step', 'sqr_grad_estimate', 'Adafactor', 'slow_mom_at',
+           'slow_average_grad', 'slow_mix_at', 'ademamix_step', 'AdEMAMix', 'schedule_free_weights',
            'rms_normalize_grad', 'schedule_free_step', 'ScheduleFreeOptimizer', 'ScheduleFreeAdamW', 'ScheduleFreeSGD',
            'recompute_batchnorm', 'eigenbasis_adam_step', 'eigenvectors', 'shampoo_eigenbases', 'SOAP', 'nadam_step',
            'NAdam', 'average_abs_max', 'adamax_step', 'Adamax', 'by_shape', 'momentum_direction_multi',
@@ -38,7 +40,7 @@ NS_COEFFICIENTS = (3.4445, -4.775, 2.0315)  # Keller Jordan's quintic: slope 3.4
 def newton_schulz(matrix,  # a matrix, or a batch of them stacked on the first dimensions
                   steps=5,  # iterations of the quintic polynomial
                   eps=1e-7,  # floor of the norm the matrix is divided by first (a zero matrix stays zero)
-                  dtype=torch.bfloat16,  # precision of the products (torch.optim.Muon: bfloat16)
+                  dtype=None,  # precision of the products; None: `ns_dtype_for` the matrix's device
                   coefficients=NS_COEFFICIENTS):
     """Approximately orthogonalise `matrix` (each of a batch): singular values pushed towards 1, vectors kept.
 
@@ -46,10 +48,10 @@ def newton_schulz(matrix,  # a matrix, or a batch of them stacked on the first d
         matrix: a matrix, or a batch of them stacked on the first dimensions
         steps: iterations of the quintic polynomial
         eps: floor of the norm the matrix is divided by first (a zero matrix stays zero)
-        dtype: precision of the products (torch.optim.Muon: bfloat16)
+        dtype: precision of the products; None: `ns_dtype_for` the matrix's device
     """
     a, b, c = coefficients
-    x = matrix.to(dtype)
+    x = matrix.to(dtype or ns_dtype_for(matrix.device))
     tall = matrix.size(-2) > matrix.size(-1)
     if tall: x = x.mT
     batched = x.dim() > 2
@@ -60,6 +62,21 @@ def newton_schulz(matrix,  # a matrix, or a batch of them stacked on the first d
         gram = x @ x.mT
         x = add_product(x, add_product(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x.mT if tall else x
+
+# %% ../../nbs/07a_recent_optimizers.ipynb #x26a01
+def cpu_multiplies_bfloat16():
+    "Whether torch multiplies bfloat16 matrices on this CPU with bfloat16 instructions (oneDNN's kernels), not emulated."
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled): return False  # a generic loop
+    # torch's own (private) probes; a torch without them gets float32, which is correct everywhere, only slower
+    try:
+        if not torch.ops.mkldnn._is_mkldnn_bf16_supported(): return False  # no AVX-512 nor Arm BF16: a generic loop
+        # x86 AVX-512 without BF16: oneDNN converts every element to float32 and back, slower than float32 itself
+        return platform.machine().lower() not in ('x86_64', 'amd64') or torch.cpu._is_avx512_bf16_supported()
+    except (AttributeError, RuntimeError): return False
+
+def ns_dtype_for(device):
+    "The dtype of Newton-Schulz's products on `device`: bfloat16 (torch.optim.Muon's), float32 on a CPU that emulates it."
+    return torch.float32 if torch.device(device).type == 'cpu' and not cpu_multiplies_bfloat16() else torch.bfloat16
 
 # %% ../../nbs/07a_recent_optimizers.ipynb #c009
 MUON_LR_RATIOS = {'original': lambda rows, cols: math.sqrt(max(1, rows / cols)),
@@ -73,9 +90,9 @@ def momentum_direction(p, mom, grad_avg, nesterov=True, **kwargs):
     else: p.grad.copy_(grad_avg)
 declare_callback(momentum_direction, hypers={'mom': IN_0_1}, effective_lr=None, changes_grad=True)
 
-def orthogonalize_grad(p, ns_steps, ns_eps, **kwargs):
-    "Replace the gradient (a matrix) by its Newton-Schulz orthogonalisation, computed in bfloat16."
-    p.grad.copy_(newton_schulz(p.grad, ns_steps, ns_eps))
+def orthogonalize_grad(p, ns_steps, ns_eps, ns_dtype=None, **kwargs):
+    "Replace the gradient (a matrix) by its Newton-Schulz orthogonalisation, multiplied in `ns_dtype`."
+    p.grad.copy_(newton_schulz(p.grad, ns_steps, ns_eps, ns_dtype))
 declare_callback(orthogonalize_grad, hypers={'ns_steps': NS_STEPS, 'ns_eps': ABOVE_0}, effective_lr=None,
                  changes_grad=True)
 
@@ -104,13 +121,28 @@ def check_adjust_lr(adjust_lr):
     if adjust_lr not in MUON_LR_RATIOS:
         raise ValueError(f"adjust_lr must be one of {sorted(MUON_LR_RATIOS)}, got {adjust_lr!r}")
 
-def Muon(params, lr=1e-3, mom=0.95, wd=0.1, nesterov=True, ns_steps=5, ns_eps=1e-7, adjust_lr='original', fast=None):
-    "Muon (Jordan 2024) for 2-D weights, with `torch.optim.Muon`'s defaults and its three `adjust_lr` rules."
+NS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+def check_ns_dtype(ns_dtype):
+    "Raise a `ValueError` unless `ns_dtype` is None (`ns_dtype_for` the device) or one of `NS_DTYPES`."
+    if ns_dtype is not None and ns_dtype not in NS_DTYPES:
+        raise ValueError(f"ns_dtype must be None (bfloat16, or float32 on a CPU that emulates bfloat16) or one of "
+                         f"{[str(d) for d in NS_DTYPES]} (torch.bfloat16: torch.optim.Muon's), got {ns_dtype!r}")
+
+def Muon(params, lr=1e-3, mom=0.95, wd=0.1, nesterov=True, ns_steps=5, ns_eps=1e-7, adjust_lr='original',
+         ns_dtype=None,  # Newton-Schulz's precision; None: `ns_dtype_for` the device; torch.bfloat16: as torch everywhere
+         fast=None):
+    """Muon (Jordan 2024) for 2-D weights, with `torch.optim.Muon`'s defaults and its three `adjust_lr` rules.
+
+    Args:
+        ns_dtype: Newton-Schulz's precision; None: `ns_dtype_for` the device; torch.bfloat16: as torch everywhere
+    """
     check_adjust_lr(adjust_lr)
+    check_ns_dtype(ns_dtype)
     cbs = [weight_decay, partial(average_grad, dampening=True), partial(momentum_direction, nesterov=nesterov),
            orthogonalize_grad, shape_scaled_step]
     opt = Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, wd=wd, ns_steps=ns_steps,
-                    ns_eps=ns_eps, adjust_lr=adjust_lr)
+                    ns_eps=ns_eps, adjust_lr=adjust_lr, ns_dtype=ns_dtype)
     check_muon_params(opt.param_groups)
     return opt
 
@@ -185,6 +217,7 @@ def MuonAdamW(params,  # groups from `muon_splitter` (or any groups tagged 'muon
               lr=1e-3, mom=0.95, wd=0.1, nesterov=True, ns_steps=5, ns_eps=1e-7,  # Muon's, as in `Muon`
               adjust_lr='match_rms_adamw',  # Moonshot's ratio: the AdamW groups can share `lr` and `wd`
               adam_mom=0.9, sqr_mom=0.95, eps=1e-8,  # the AdamW groups' betas and eps (Moonshot's)
+              ns_dtype=None,  # Newton-Schulz's precision, as in `Muon`
               fast=None):
     """Muon on the groups of kind 'muon', AdamW on those of kind 'adamw': one optimizer, one `lr` and `wd`.
 
@@ -193,8 +226,10 @@ def MuonAdamW(params,  # groups from `muon_splitter` (or any groups tagged 'muon
         ns_eps: Muon's, as in `Muon`
         adjust_lr: Moonshot's ratio: the AdamW groups can share `lr` and `wd`
         eps: the AdamW groups' betas and eps (Moonshot's)
+        ns_dtype: Newton-Schulz's precision, as in `Muon`
     """
     check_adjust_lr(adjust_lr)
+    check_ns_dtype(ns_dtype)
     averaged = partial(average_grad, dampening=True)
     cbs = {'muon': [weight_decay, averaged, partial(momentum_direction, nesterov=nesterov), orthogonalize_grad,
                     shape_scaled_step],
@@ -205,7 +240,7 @@ def MuonAdamW(params,  # groups from `muon_splitter` (or any groups tagged 'muon
                          "give a Learner `opt_func=MuonAdamW, splitter=muon_splitter`")
     groups = [{'mom': mom if group.get('kind') == 'muon' else adam_mom, **group} for group in groups]
     opt = GroupedOptimizer(groups, cbs, fast=fast, lr=lr, mom=mom, wd=wd, ns_steps=ns_steps, ns_eps=ns_eps,
-                           adjust_lr=adjust_lr, sqr_mom=sqr_mom, eps=eps)
+                           adjust_lr=adjust_lr, ns_dtype=ns_dtype, sqr_mom=sqr_mom, eps=eps)
     check_muon_params([group for group in opt.param_groups if group['kind'] == 'muon'])
     return opt
 
@@ -524,10 +559,10 @@ def momentum_direction_multi(group, mom, nesterov=True, **kwargs):
     else: torch._foreach_copy_(group.grads, averages)
 
 @multi_tensor_version_of(orthogonalize_grad)
-def orthogonalize_grad_multi(group, ns_steps, ns_eps, **kwargs):
+def orthogonalize_grad_multi(group, ns_steps, ns_eps, ns_dtype=None, **kwargs):
     "`orthogonalize_grad` with one batched Newton-Schulz per shape."
     for subgroup in by_shape(group).values():
-        orthogonal = newton_schulz(torch.stack(subgroup.grads), ns_steps, ns_eps)
+        orthogonal = newton_schulz(torch.stack(subgroup.grads), ns_steps, ns_eps, ns_dtype)
         torch._foreach_copy_(subgroup.grads, list(orthogonal.unbind()))
 
 @multi_tensor_version_of(shape_scaled_step)
@@ -701,7 +736,11 @@ def adamax_step_multi(group, lr, mom, step, **kwargs):
                             value=-lr / debias(mom, 1 - mom, step))
 
 # %% ../../nbs/07a_recent_optimizers.ipynb #r02
-def _torch_muon(params, lr=1e-3, mom=0.95, wd=0.1, nesterov=True, ns_steps=5, ns_eps=1e-7, adjust_lr='original'):
+def _torch_muon(params, lr=1e-3, mom=0.95, wd=0.1, nesterov=True, ns_steps=5, ns_eps=1e-7, adjust_lr='original',
+                ns_dtype=None):
+    params = list(params)
+    first = params[0]['params'][0] if isinstance(params[0], dict) else params[0]
+    if (ns_dtype or ns_dtype_for(first.device)) != torch.bfloat16: return None  # torch multiplies in bfloat16 only
     return torch.optim.Muon(params, lr=lr, momentum=mom, weight_decay=wd, nesterov=nesterov, ns_steps=ns_steps,
                             eps=ns_eps, adjust_lr_fn=adjust_lr)
 
@@ -721,11 +760,13 @@ def _torch_muon_and_adamw(params, lr=1e-3, mom=0.95, wd=0.1, adam_mom=0.9, sqr_m
     strip = lambda group: {k: v for k, v in group.items() if k != 'kind'}
     muon_groups, adamw_groups = ([strip(g) for g in groups if g['kind'] == kind] for kind in ('muon', 'adamw'))
     adjust_lr = muon.pop('adjust_lr', 'match_rms_adamw')
-    return ([_torch_muon(muon_groups, lr=lr, mom=mom, wd=wd, adjust_lr=adjust_lr, **muon)] if muon_groups else []) + \
+    muon_opts = [_torch_muon(muon_groups, lr=lr, mom=mom, wd=wd, adjust_lr=adjust_lr, **muon)] if muon_groups else []
+    if muon_opts and muon_opts[0] is None: return None  # float32 here: not what torch.optim.Muon computes
+    return muon_opts + \
            ([torch.optim.AdamW(adamw_groups, lr=lr, betas=(adam_mom, sqr_mom), eps=eps, weight_decay=wd)] if adamw_groups else [])
 
 def _bfloat16_roundings(n_steps, setting, shapes):
-    "The fast step's largest difference from the callbacks for Muon: one bfloat16 rounding per entry and step."
+    "The fast step's largest difference from the callbacks for Muon: one bfloat16 rounding per entry and step (or less)."
     ratio = max(muon_lr_ratio(shape, setting.get('adjust_lr', 'original')) for shape in shapes if len(shape) == 2)
     return n_steps * setting['lr'] * ratio * 1.3 * 2 ** -7
 
@@ -757,11 +798,17 @@ def _torch_nadam(params, lr=2e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., momen
 def _torch_adamax(params, lr=2e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0.):
     return torch.optim.Adamax(params, lr=lr, betas=(mom, sqr_mom), eps=eps, weight_decay=wd)
 
-declare_optimizer(Muon, [dict(lr=0.02), dict(lr=0.02, wd=0.01, nesterov=False, adjust_lr='match_rms_adamw'),
+declare_optimizer(Muon, [dict(lr=0.02, ns_dtype=torch.bfloat16),
+                         dict(lr=0.02, wd=0.01, nesterov=False, adjust_lr='match_rms_adamw', ns_dtype=torch.bfloat16),
                          dict(lr=0.02, mom=0.9, adjust_lr='spectral_unclamped', ns_steps=3)],
-                  param_dims=(2,), reference=_torch_muon, fast_tolerance=_bfloat16_roundings)
-declare_optimizer(MuonAdamW, [dict(lr=3e-3), dict(lr=3e-3, wd=0.05, adam_mom=0.8, sqr_mom=0.99, nesterov=False)],
-                  make=_muon_adamw, reference=_torch_muon_and_adamw, fast_tolerance=_bfloat16_roundings)
+                  param_dims=(2,), reference=_torch_muon, fast_tolerance=_bfloat16_roundings,
+                  differences="torch multiplies in bfloat16 everywhere; the default ns_dtype=None multiplies in "
+                  "float32 on a CPU that emulates bfloat16")
+declare_optimizer(MuonAdamW, [dict(lr=3e-3, ns_dtype=torch.bfloat16),
+                              dict(lr=3e-3, wd=0.05, adam_mom=0.8, sqr_mom=0.99, nesterov=False)],
+                  make=_muon_adamw, reference=_torch_muon_and_adamw, fast_tolerance=_bfloat16_roundings,
+                  differences="torch.optim.Muon multiplies in bfloat16 everywhere; the default ns_dtype=None "
+                  "multiplies in float32 on a CPU that emulates bfloat16")
 declare_optimizer(Adafactor, [dict(), dict(lr=3e-3, wd=0.1, d=2.), dict(eps1=1e-30, eps2=1e-2, beta2_decay=-0.5)],
                   reference=_torch_adafactor)
 declare_optimizer(AdEMAMix, [dict(lr=1e-2), dict(lr=1e-2, slow_mix=2., slow_mom=0.999, wd=0.1),

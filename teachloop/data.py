@@ -5,6 +5,10 @@
 # %% ../nbs/00_data.ipynb #c002
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable, Sequence
+from typing import Any
+
 import numpy as np
 import torch
 from torch import nn
@@ -23,9 +27,9 @@ class DataLoaders:
         valid: batches it is measured on; `None` skips validation
     """
     def __init__(self,
-                 train,  # batches the model learns from
-                 valid=None,  # batches it is measured on; `None` skips validation
-                ):
+                 train: Iterable,  # batches the model learns from
+                 valid: Iterable | None = None,  # batches it is measured on; `None` skips validation
+                ) -> None:
         for name, dl in (('train', train), ('valid', valid)):
             if dl is not None and not hasattr(dl, '__iter__'):
                 raise TypeError(f"DataLoaders: `{name}` must be an iterable of batches (a torch DataLoader, a list of "
@@ -42,23 +46,23 @@ def _describe(dl):
     return f"{type(dl).__name__} of {n} batches"
 
 # %% ../nbs/00_data.ipynb #c008
-def load_digits_tensors():
+def load_digits_tensors() -> tuple[torch.Tensor, torch.Tensor]:
     "All 1,797 handwritten digits as `(x, y)`: `x` float in [0, 1] of shape (n, 1, 8, 8), `y` the labels 0-9."
     from sklearn.datasets import load_digits
     digits = load_digits()
     x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.
     return x, torch.tensor(digits.target, dtype=torch.long)
 
-def split_by_seed(n, valid_pct=0.2, seed=42):
+def split_by_seed(n: int, valid_pct: float = 0.2, seed: int = 42) -> tuple[torch.Tensor, torch.Tensor]:
     "Indices of a train/valid split of `n` items: a permutation drawn from `seed`."
     if not 0 < valid_pct < 1: raise ValueError(f"valid_pct must be between 0 and 1 (exclusive), got {valid_pct}")
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     n_valid = int(round(n * valid_pct))
     return perm[n_valid:], perm[:n_valid]
 
-def tensor_dls(x, y, bs=64, valid_pct=0.2, seed=42,
-               shuffle_seed=None,  # the seed of the training batches' order; None: `seed`
-               **kwargs):
+def tensor_dls(x: torch.Tensor, y: torch.Tensor, bs: int = 64, valid_pct: float = 0.2, seed: int = 42,
+               shuffle_seed: int | None = None,  # the seed of the training batches' order; None: `seed`
+               **kwargs: Any) -> DataLoaders:
     """`DataLoaders` over tensors `x`, `y`, split by `seed`; training batches shuffled by a generator of their own.
 
     Args:
@@ -72,9 +76,9 @@ def tensor_dls(x, y, bs=64, valid_pct=0.2, seed=42,
     valid = DataLoader(TensorDataset(x[valid_idx], y[valid_idx]), batch_size=bs * 2, **kwargs)
     return DataLoaders(train, valid)
 
-def digits_dls(bs=64, valid_pct=0.2, seed=42,
-               shuffle_seed=None,  # the seed of the training batches' order; None: `seed`
-               **kwargs):
+def digits_dls(bs: int = 64, valid_pct: float = 0.2, seed: int = 42,
+               shuffle_seed: int | None = None,  # the seed of the training batches' order; None: `seed`
+               **kwargs: Any) -> DataLoaders:
     """Handwritten digits (scikit-learn's offline copy) as `DataLoaders`, split by `seed`, shuffled by `shuffle_seed`.
 
     Args:
@@ -83,7 +87,8 @@ def digits_dls(bs=64, valid_pct=0.2, seed=42,
     return tensor_dls(*load_digits_tensors(), bs=bs, valid_pct=valid_pct, seed=seed, shuffle_seed=shuffle_seed, **kwargs)
 
 # %% ../nbs/00_data.ipynb #c013
-def mnist_dls(path='data', bs=128, fashion=False, download=True, **kwargs):
+def mnist_dls(path: os.PathLike | str = 'data', bs: int = 128, fashion: bool = False, download: bool = True,
+              **kwargs: Any) -> DataLoaders:
     "MNIST (or FashionMNIST with `fashion=True`) from torchvision as `DataLoaders`, pixels scaled to [0, 1]."
     try:
         from torchvision import datasets
@@ -101,14 +106,14 @@ def mnist_dls(path='data', bs=128, fashion=False, download=True, **kwargs):
                        DataLoader(valid, batch_size=bs * 2, **kwargs))
 
 # %% ../nbs/00_data.ipynb #c017
-def digits_cnn(n_classes=10, width=16):
+def digits_cnn(n_classes: int = 10, width: int = 16) -> nn.Sequential:
     "A small CNN for 1x8x8 digit images: three 3x3 convolutions, pooling and a linear classifier."
     def conv(ni, nf, stride): return nn.Sequential(nn.Conv2d(ni, nf, 3, stride=stride, padding=1), nn.ReLU())
     return nn.Sequential(conv(1, width, 1), conv(width, width * 2, 2), conv(width * 2, width * 4, 2),
                          nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width * 4, n_classes))
 
 # %% ../nbs/00_data.ipynb #c020
-def noisy_parabola(n=100, noise=0.1, seed=None):
+def noisy_parabola(n: int = 100, noise: float = 0.1, seed: int | None = None) -> tuple[np.ndarray, np.ndarray]:
     "Points of y = 1 - (x/3)^2 on [-4, 4] with Gaussian `noise` on x and y, sorted by x: numpy `(x, y)`."
     rng = np.random.default_rng(seed)
     x = np.linspace(-4, 4, n)
@@ -117,13 +122,14 @@ def noisy_parabola(n=100, noise=0.1, seed=None):
     order = np.argsort(x_noisy)
     return x_noisy[order], y_noisy[order]
 
-def regression_2d(n=256, weights=(2., -3.), bias=0.5, noise=0.1, seed=0):
+def regression_2d(n: int = 256, weights: Sequence[float] = (2., -3.), bias: float = 0.5, noise: float = 0.1,
+                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     "Tensors `(x, y)` of y = x @ weights + bias + noise, x of shape (n, 2) and y of shape (n, 1)."
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, 2, generator=g)
     y = x @ torch.tensor(weights) + bias + noise * torch.randn(n, generator=g)
     return x, y.unsqueeze(1)
 
-def regression_dls(n=256, bs=32, seed=0, **kwargs):
+def regression_dls(n: int = 256, bs: int = 32, seed: int = 0, **kwargs: Any) -> DataLoaders:
     "`DataLoaders` for `regression_2d`."
     return tensor_dls(*regression_2d(n, seed=seed, **kwargs), bs=bs, seed=seed)

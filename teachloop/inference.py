@@ -17,6 +17,9 @@ import os
 import re
 import sys
 import zipfile
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 from fastcore.basics import patch
@@ -74,16 +77,16 @@ def export_model(model, inputs):
 # %% ../nbs/13b_export.ipynb #e041
 @patch
 def export(self:Learner,
-           path='export.pt2',  # the file to write (a folder: `export.pt2` in it)
-           vocab=None,  # the names of the classes, in the order of the model's outputs
-           example=None,  # a batch as the loaders give it, or a tensor of inputs (None: the first validation batch)
-          ):
+           path: os.PathLike | str = 'export.pt2',  # the file to write (a folder: `export.pt2` in it)
+           vocab: Sequence[str] | None = None,  # the names of the classes, in the order of the model's outputs
+           example: torch.Tensor | Sequence[torch.Tensor] | None = None,  # a batch (None: the first validation batch)
+          ) -> Path:
     """Write what inference needs to `path`: the model as a `torch.export` program, and `inference_facts` as JSON.
 
     Args:
         path: the file to write (a folder: `export.pt2` in it)
         vocab: the names of the classes, in the order of the model's outputs
-        example: a batch as the loaders give it, or a tensor of inputs (None: the first validation batch)
+        example: a batch (None: the first validation batch)
     """
     path = check_save_path(path, 'export.pt2', 'export path')
     with self.exclusive('export'):  # not while a fit in another thread trains the model
@@ -114,21 +117,22 @@ class StoredActivation:
 # %% ../nbs/13b_export.ipynb #e044
 class InferenceLearner:
     "A model exported by `Learner.export`, with what its predictions need: `predict(item)`, `get_preds(dl)`, on the CPU."
-    def __init__(self, program, facts):
+    def __init__(self, program: nn.Module, facts: dict[str, Any]) -> None:
         self.facts, self.vocab, self.model = facts, facts['vocab'], ExportedModel(program, facts['inputs'])
         self.learn = Learner(DataLoaders([]), self.model, StoredActivation(facts), n_inp=facts['n_inp'],
                              default_cbs=False)
 
-    def get_preds(self, dl, with_input=False, with_decoded=False, act=None):
+    def get_preds(self, dl: Iterable, with_input: bool = False, with_decoded: bool = False,
+                  act: Callable | None = None) -> tuple[Any, ...]:
         "As `Learner.get_preds` over `dl`: `(inputs, probabilities, targets, decoded)`, inputs and decoded on request."
         return self.learn.get_preds(dl, with_input=with_input, with_decoded=with_decoded, act=act)
 
-    def predict(self, item):
+    def predict(self, item: torch.Tensor | Sequence[torch.Tensor]) -> tuple[Any, Any]:
         "As `Learner.predict`: `(decoded, probabilities)` of one item, the decoded class by its name given a `vocab`."
         decoded, probs = self.learn.predict(item)
         return self.named(decoded), probs
 
-    def named(self, decoded):
+    def named(self, decoded: Any) -> Any:
         "`decoded` in the vocab's names: a class's name, or the names of the labels that are on (no vocab: as it is)."
         if self.vocab is None or not isinstance(decoded, torch.Tensor): return decoded
         if decoded.ndim == 0 and not decoded.is_floating_point(): return self.vocab[int(decoded)]
@@ -136,9 +140,9 @@ class InferenceLearner:
             return [name for name, on in zip(self.vocab, decoded.tolist()) if on]
         return decoded
 
-def load_learner(path,
-                 trust=False,  # skip `check_archive`: only for a file from someone you trust
-                ):
+def load_learner(path: os.PathLike | str,
+                 trust: bool = False,  # skip `check_archive`: only for a file from someone you trust
+                ) -> InferenceLearner:
     """The `InferenceLearner` that `Learner.export` wrote to `path`, on the CPU; unless `trust`, checked first.
 
     Args:

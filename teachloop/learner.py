@@ -10,9 +10,10 @@ import os
 import re
 import threading
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from functools import partial
+from typing import Any
 
 from fastcore.basics import patch
 from pathlib import Path
@@ -21,10 +22,11 @@ import torch
 from torch import nn
 
 from .core import InterruptGate, atomic_save, check_count, check_save_path
-from .optim.core import Adam, Optimizer, check_hyper
+from .data import DataLoaders
+from .optim.core import Adam, HyperValue, Optimizer, check_hyper
 
 # %% auto #0
-__all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'LOSS_ACTIVATIONS', 'COMPILED_PREFIX',
+__all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'Splitter', 'LOSS_ACTIVATIONS', 'COMPILED_PREFIX',
            'CancelBatchException', 'CancelBackwardException', 'CancelStepException', 'CancelTrainException',
            'CancelValidException', 'CancelEpochException', 'CancelFitException', 'snake_name', 'check_event_names',
            'Callback', 'set_optimizer_mode', 'TrainEvalCallback', 'add_default_callbacks', 'OneProcess',
@@ -100,12 +102,12 @@ class Callback:
     learn = None
 
     @property
-    def name(self):
+    def name(self) -> str:
         "The name under which the learner exposes this callback."
         return self.__dict__.get('_name') or snake_name(type(self).__name__)
 
     @name.setter
-    def name(self, value): object.__setattr__(self, '_name', value)
+    def name(self, value: str) -> None: object.__setattr__(self, '_name', value)
 
     def __getattr__(self, attr):
         learn = self.__dict__.get('learn')
@@ -123,11 +125,11 @@ class Callback:
                           stacklevel=2)
         object.__setattr__(self, attr, value)
 
-    def caught_up(self, epochs_done):
+    def caught_up(self, epochs_done: int) -> bool:
         "Whether it has seen the end of `epochs_done` epochs; a callback that counts them says when not (see checkpoints)."
         return True
 
-    def quieten(self):
+    def quieten(self) -> Callable[[], None] | None:
         "Stop showing or writing what is for the reader (in a process other than the first); return what undoes it, if anything."
         return None
 
@@ -174,7 +176,10 @@ class OneProcess:
     def any(self, flag): return bool(flag)
 
 # %% ../nbs/04_learner.ipynb #c015
-def default_splitter(model):
+# What a splitter returns: the model's parameters in groups, each group with hyper-parameters of its own
+Splitter = Callable[[nn.Module], Sequence[Sequence[torch.Tensor]]]
+
+def default_splitter(model: nn.Module) -> list[list[nn.Parameter]]:
     "One parameter group with all the model's parameters."
     return [list(model.parameters())]
 
@@ -196,34 +201,34 @@ class Learner:
         dls: `DataLoaders`: has `.train` and `.valid` iterables of (x, y) batches
         model: the model to train
         loss_func: `loss_func(pred, target)` -> scalar tensor
-        opt_func: `opt_func(param_groups, lr=lr)` -> optimizer
+        opt_func: `opt_func(param_groups, lr=lr)`
         lr: default learning rate (a number, or a slice spread over parameter groups)
         cbs: callbacks added to the defaults
-        metrics: functions `f(pred, target)` -> tensor, averaged over the validation set
+        metrics: `f(pred, target)` -> a number, averaged over the validation set
         wd: weight decay given to the optimizer (None: the optimizer's default)
         moms: momentum at start, middle and end of `fit_one_cycle`
         splitter: model -> list of parameter lists, one per group
-        default_cbs: add the callbacks in `DEFAULT_CALLBACKS` (train/eval; device, recorder, progress bar)
-        wd_bn_bias: weight decay on normalisation layers and biases too (False: on the other weights only)
+        default_cbs: add `DEFAULT_CALLBACKS` (train/eval; device, recorder, progress bar)
+        wd_bn_bias: decay normalisation layers and biases too (False: the other weights only)
         train_bn: keep normalisation layers training when the model is frozen (see `freeze_to`)
-        n_inp: how many items of a batch are the model's inputs, the rest targets (None: all but the last)
+        n_inp: how many of a batch's items are inputs, the rest targets (None: all but the last)
     """
     def __init__(self,
-                 dls,  # `DataLoaders`: has `.train` and `.valid` iterables of (x, y) batches
-                 model:nn.Module,  # the model to train
-                 loss_func,  # `loss_func(pred, target)` -> scalar tensor
-                 opt_func=Adam,  # `opt_func(param_groups, lr=lr)` -> optimizer
-                 lr=1e-3,  # default learning rate (a number, or a slice spread over parameter groups)
-                 cbs=None,  # callbacks added to the defaults
-                 metrics=None,  # functions `f(pred, target)` -> tensor, averaged over the validation set
-                 wd=None,  # weight decay given to the optimizer (None: the optimizer's default)
-                 moms=(0.95, 0.85, 0.95),  # momentum at start, middle and end of `fit_one_cycle`
-                 splitter=default_splitter,  # model -> list of parameter lists, one per group
-                 default_cbs=True,  # add the callbacks in `DEFAULT_CALLBACKS` (train/eval; device, recorder, progress bar)
-                 wd_bn_bias=True,  # weight decay on normalisation layers and biases too (False: on the other weights only)
-                 train_bn=True,  # keep normalisation layers training when the model is frozen (see `freeze_to`)
-                 n_inp=None,  # how many items of a batch are the model's inputs, the rest targets (None: all but the last)
-                ):
+                 dls: DataLoaders,  # `DataLoaders`: has `.train` and `.valid` iterables of (x, y) batches
+                 model: nn.Module,  # the model to train
+                 loss_func: Callable[..., torch.Tensor],  # `loss_func(pred, target)` -> scalar tensor
+                 opt_func: Callable[..., torch.optim.Optimizer | OptimWrapper] = Adam,  # `opt_func(param_groups, lr=lr)`
+                 lr: HyperValue = 1e-3,  # default learning rate (a number, or a slice spread over parameter groups)
+                 cbs: Iterable[Callback] | None = None,  # callbacks added to the defaults
+                 metrics: Iterable[Callable] | None = None,  # `f(pred, target)` -> a number, averaged over the validation set
+                 wd: HyperValue | None = None,  # weight decay given to the optimizer (None: the optimizer's default)
+                 moms: tuple[float, float, float] = (0.95, 0.85, 0.95),  # momentum at start, middle and end of `fit_one_cycle`
+                 splitter: Splitter = default_splitter,  # model -> list of parameter lists, one per group
+                 default_cbs: bool = True,  # add `DEFAULT_CALLBACKS` (train/eval; device, recorder, progress bar)
+                 wd_bn_bias: bool = True,  # decay normalisation layers and biases too (False: the other weights only)
+                 train_bn: bool = True,  # keep normalisation layers training when the model is frozen (see `freeze_to`)
+                 n_inp: int | None = None,  # how many of a batch's items are inputs, the rest targets (None: all but the last)
+                ) -> None:
         _check_learner_args(dls, model, loss_func, opt_func, lr, metrics, n_inp)  # under the hood, below
         self.dls, self.model, self.loss_func, self.opt_func = dls, model, loss_func, opt_func
         self.lr, self.wd, self.moms, self.splitter, self.n_inp = lr, wd, moms, splitter, n_inp
@@ -238,15 +243,17 @@ class Learner:
         self('after_create')
 
     @property
-    def x(self): return self.xb[0]
+    def x(self) -> Any: return self.xb[0]
     @property
-    def y(self): return self.yb[0] if self.yb else None  # None: a batch of inputs only
+    def y(self) -> Any: return self.yb[0] if self.yb else None  # None: a batch of inputs only
 
-    def __getattr__(self, attr): return _callback_named(self, attr)  # `learn.recorder`: see below
+    def __getattr__(self, attr: str) -> Any: return _callback_named(self, attr)  # `learn.recorder`: see below
     def __repr__(self):
         return f"Learner(model={type(self.model).__name__}, cbs=[{', '.join(type(c).__name__ for c in self.cbs)}])"
 
 # %% ../nbs/04_learner.ipynb #c016b
+# `Learner.__getattr__` returns Any, not a Callback: a type checker finds there the methods that later modules add
+# with @patch (fit_one_cycle, export, ...), which it cannot see
 def _callback_named(learn, attr):
     "The callback of `learn` named `attr`, or an AttributeError that says where a missing name comes from."
     if not attr.startswith('_'):
@@ -273,7 +280,7 @@ def _refresh_events(self:Learner):
 
 # %% ../nbs/04_learner.ipynb #c018b
 @patch
-def add_cbs(self:Learner, cbs):
+def add_cbs(self:Learner, cbs: Iterable[Callback]) -> list[Callback]:
     "Add callbacks (checked, sorted by `order`, ties in the order added); return them."
     self._check_owner('add callbacks')
     cbs = list(cbs)
@@ -285,7 +292,7 @@ def add_cbs(self:Learner, cbs):
     return cbs
 
 @patch
-def remove_cbs(self:Learner, cbs):
+def remove_cbs(self:Learner, cbs: Iterable[Callback]) -> None:
     "Remove callbacks from the learner."
     self._check_owner('remove callbacks')
     for cb in list(cbs):
@@ -295,7 +302,7 @@ def remove_cbs(self:Learner, cbs):
 
 @patch
 @contextmanager
-def added_cbs(self:Learner, cbs):
+def added_cbs(self:Learner, cbs: Iterable[Callback] | None) -> Iterator[list[Callback]]:
     "Context in which `cbs` are added to the learner."
     added = self.add_cbs(cbs or [])
     try: yield added
@@ -303,7 +310,7 @@ def added_cbs(self:Learner, cbs):
 
 # %% ../nbs/04_learner.ipynb #c020
 @patch
-def __call__(self:Learner, event):
+def __call__(self:Learner, event: str) -> None:
     "Run the handlers of `event`."
     for handler in self._events[event]:
         try: handler()
@@ -411,13 +418,13 @@ def _do_fit(self:Learner):
         self._with_events(self._do_epoch, 'epoch', CancelEpochException)
 
 # %% ../nbs/04_learner.ipynb #c025
-def callback_list(cbs):
+def callback_list(cbs: Callback | Iterable[Callback] | None) -> list[Callback]:
     "`cbs` as a list: None gives [], a single callback [cb]."
     if cbs is None: return []
     return [cbs] if isinstance(cbs, (Callback, type)) else list(cbs)
 
 @patch
-def create_opt(self:Learner):
+def create_opt(self:Learner) -> None:
     "Create the optimizer from `opt_func` with the splitter's parameter groups and the learner's `lr` and `wd`."
     self._check_owner('create an optimizer')
     opt_func = _learner_opt_func(self.opt_func)  # a class of torch.optim goes into an `OptimWrapper`: under the hood
@@ -429,13 +436,13 @@ def create_opt(self:Learner):
 
 @patch
 def fit(self:Learner,
-        n_epoch:int,  # number of passes over the training data
-        lr=None,  # learning rate for this fit (number or slice); None keeps the optimizer's
-        wd=None,  # weight decay for this fit; None keeps the optimizer's
-        cbs=None,  # callbacks used for this fit only
-        reset_opt=False,  # create a fresh optimizer (forgetting its state) first
-        resume=None,  # path of a checkpoint to continue from (`teachloop.callback.checkpoint` adds this)
-       ):
+        n_epoch: int,  # number of passes over the training data
+        lr: HyperValue | None = None,  # learning rate for this fit (number or slice); None keeps the optimizer's
+        wd: HyperValue | None = None,  # weight decay for this fit; None keeps the optimizer's
+        cbs: Callback | Iterable[Callback] | None = None,  # callbacks used for this fit only
+        reset_opt: bool = False,  # create a fresh optimizer (forgetting its state) first
+        resume: os.PathLike | str | None = None,  # checkpoint to continue from (`teachloop.callback.checkpoint` adds this)
+       ) -> None:
     """Train for `n_epoch` epochs.
 
     Args:
@@ -444,7 +451,7 @@ def fit(self:Learner,
         wd: weight decay for this fit; None keeps the optimizer's
         cbs: callbacks used for this fit only
         reset_opt: create a fresh optimizer (forgetting its state) first
-        resume: path of a checkpoint to continue from (`teachloop.callback.checkpoint` adds this)
+        resume: checkpoint to continue from (`teachloop.callback.checkpoint` adds this)
     """
     with self.exclusive('fit'): self._fit(n_epoch, lr, wd, callback_list(cbs), reset_opt, resume)
 
@@ -488,7 +495,7 @@ def _cleanup(self:Learner):
 class GatherPreds(Callback):
     "Collect the predictions and targets (and, with `with_input`, the inputs) of the validation batches."
     run_train, observes = False, True
-    def __init__(self, with_input=False): self.with_input = with_input
+    def __init__(self, with_input: bool = False) -> None: self.with_input = with_input
     def before_validate(self): self.inputs, self.preds, self.targets = [], [], []
     def after_batch(self):  # validation runs under `torch.no_grad()`: there is nothing to detach
         if self.pred is None: return  # a batch cancelled before the model ran
@@ -497,7 +504,7 @@ class GatherPreds(Callback):
         if self.with_input: self.inputs.append(self.xb)
 
 @patch
-def validate(self:Learner, dl=None):
+def validate(self:Learner, dl: Iterable | None = None) -> list[float]:
     "Loss and metrics on `dl` (default: the validation set), as a list of floats."
     if dl is None and self.dls.valid is None: raise ValueError("there is no validation set: pass `dl`")
     with self.exclusive('validate'):
@@ -532,11 +539,11 @@ def loss_decodes(loss_func):
 # %% ../nbs/04_learner.ipynb #c027b
 @patch
 def get_preds(self:Learner,
-              dl=None,  # a data loader (default: the validation set); its batches may hold inputs only
-              with_input=False,  # return the inputs too, first
-              with_decoded=False,  # return the decoded predictions too, last (`loss_decodes`)
-              act=None,  # applied to the model's output; None: the loss's activation (`loss_activation`)
-             ):
+              dl: Iterable | None = None,  # a data loader (default: the validation set); its batches may hold inputs only
+              with_input: bool = False,  # return the inputs too, first
+              with_decoded: bool = False,  # return the decoded predictions too, last (`loss_decodes`)
+              act: Callable | None = None,  # applied to the model's output; None: the loss's activation (`loss_activation`)
+             ) -> tuple[Any, ...]:
     """`(inputs, predictions, targets, decoded)` over `dl` on the CPU: inputs and decoded on request, targets None if none.
 
     Args:
@@ -558,12 +565,12 @@ def get_preds(self:Learner,
 
 @patch
 def predict(self:Learner,
-            item,  # the model's inputs for one example, without a batch dimension: a tensor, or a tuple of them
-           ):
+            item: torch.Tensor | Sequence[torch.Tensor],  # the model's inputs for one example, without a batch dimension
+           ) -> tuple[Any, Any]:
     """`(decoded, probabilities)` of one item, as `get_preds` makes them.
 
     Args:
-        item: the model's inputs for one example, without a batch dimension: a tensor, or a tuple of them
+        item: the model's inputs for one example, without a batch dimension
     """
     with self.exclusive('predict'):
         try: preds, _, decoded = self.get_preds(dl=[_batch_of_one(self, item)], with_decoded=True)
@@ -577,7 +584,7 @@ _whole_item_note = ("(predict gives the model every part of a tuple item; an ite
 
 # %% ../nbs/04_learner.ipynb #c028
 @patch
-def save(self:Learner, path, with_opt=True):
+def save(self:Learner, path: os.PathLike | str, with_opt: bool = True) -> os.PathLike | str:
     "Save the model (and optimizer) state to `path`, atomically."
     obj = {'model': self.model.state_dict()}
     if with_opt and self.opt is not None: obj['opt'] = self.opt.state_dict()
@@ -585,7 +592,7 @@ def save(self:Learner, path, with_opt=True):
     return path
 
 @patch
-def load(self:Learner, path, with_opt=True):
+def load(self:Learner, path: os.PathLike | str, with_opt: bool = True) -> Learner:
     "Load model (and optimizer) state saved by `save`; nothing changes if the file does not fit."
     self._check_owner('load')
     try: obj = torch.load(path, map_location='cpu', weights_only=True)
@@ -722,7 +729,7 @@ def _check_owner(self:Learner, action):
 
 @patch
 @contextmanager
-def exclusive(self:Learner, action):
+def exclusive(self:Learner, action: str) -> Iterator[None]:
     "Run the block as `action` (e.g. 'validate'), refusing it if another thread is training this learner."
     with _owner_lock:
         claimed = self._check_owner(action) is None
@@ -732,14 +739,14 @@ def exclusive(self:Learner, action):
         if claimed: self._owner = None
 
 @patch
-def reserve_for(self:Learner, thread):
+def reserve_for(self:Learner, thread: threading.Thread) -> None:
     "Let only `thread` fit or evaluate this learner until `release(thread)` (a background fit, before it starts)."
     with _owner_lock:
         self._check_owner('start a background fit')
         self._owner = thread
 
 @patch
-def release(self:Learner, thread):
+def release(self:Learner, thread: threading.Thread) -> None:
     "End `thread`'s reservation."
     with _owner_lock:
         if self.__dict__.get('_owner') is thread: self._owner = None
@@ -893,8 +900,8 @@ from .optim import interop
 
 @patch
 def freeze_to(self:Learner,
-              n:int,  # the first group that trains (negative: counted from the end)
-             ):
+              n: int,  # the first group that trains (negative: counted from the end)
+             ) -> None:
     """Train only the parameter groups from index `n` on (see `teachloop.optim.interop.freeze_to`).
 
     Args:
@@ -903,12 +910,12 @@ def freeze_to(self:Learner,
     interop.freeze_to(self, n)
 
 @patch
-def freeze(self:Learner):
+def freeze(self:Learner) -> None:
     "Train only the last parameter group (a new head on a trained body)."
     interop.freeze(self)
 
 @patch
-def unfreeze(self:Learner):
+def unfreeze(self:Learner) -> None:
     "Train every parameter group."
     interop.unfreeze(self)
 
@@ -929,7 +936,7 @@ def _warn_if_each_process_trains_alone(learn):
 class EventLog(Callback):
     "Record the name of every event, in order, in `self.events`."
     observes = True
-    def __init__(self, events=EVENTS):
+    def __init__(self, events: Iterable[str] = EVENTS) -> None:
         self.events = []
         for event in events: setattr(self, event, self._recorder(event))
     def _recorder(self, event): return lambda: self.events.append(event)

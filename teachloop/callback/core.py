@@ -10,15 +10,17 @@ import inspect
 import math
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from contextlib import contextmanager
 from functools import partial
+from typing import Any
 
 import torch
 
 from ..core import check_count, default_device, process_count, process_rank, several_processes, to_device
 from fastcore.basics import patch
 
-from ..learner import Callback, add_default_callbacks
+from ..learner import Callback, Learner, add_default_callbacks
 from ..random_state import loader_generators, rng_states, set_rng_states
 from ..optim.core import Optimizer
 
@@ -39,7 +41,8 @@ def state_to_params_devices(opt):
 class DeviceCallback(Callback):
     "Put the model on `device` (default: CUDA when available) and move each batch there; the optimizer's state follows."
     order = -20
-    def __init__(self, device=None): self.device = torch.device(device) if device is not None else None
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        self.device = torch.device(device) if device is not None else None
     def before_fit(self): self._place_model()
     def before_validate(self): self._place_model()
     def _place_model(self):
@@ -51,7 +54,7 @@ class DeviceCallback(Callback):
         learn.xb, learn.yb = to_device(learn.xb, self.device), to_device(learn.yb, self.device)
 
 # %% ../../nbs/05_callbacks.ipynb #c006
-def accuracy(pred, target):
+def accuracy(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     "Share of rows of `pred` whose arg-max is `target`."
     return (pred.argmax(dim=-1) == target).float().mean()
 
@@ -71,25 +74,25 @@ class AccumMetric:
         kwargs: more arguments for `func` (scikit-learn's `average='macro'`, ...)
     """
     def __init__(self,
-                 func,  # `func(pred, target)` -> a number, over the whole set
-                 dim_argmax=None,  # the arg-max of the predictions over this dimension (scores -> classes)
-                 activation=None,  # first 'softmax', 'sigmoid' or 'binarysoftmax' (the softmax's last column)
-                 thresh=None,  # then `pred >= thresh` (multi-label classification)
-                 to_np=False,  # give `func` numpy arrays (scikit-learn's metrics)
-                 invert_arg=False,  # call `func(target, pred)`, scikit-learn's order
-                 flatten=True,  # flatten both (a regression's (n, 1) output against (n,) targets)
-                 name=None,  # its column in the Recorder's table (default: `func`'s name)
-                 **kwargs,  # more arguments for `func` (scikit-learn's `average='macro'`, ...)
-                ):
+                 func: Callable,  # `func(pred, target)` -> a number, over the whole set
+                 dim_argmax: int | None = None,  # the arg-max of the predictions over this dimension (scores -> classes)
+                 activation: str | None = None,  # first 'softmax', 'sigmoid' or 'binarysoftmax' (the softmax's last column)
+                 thresh: float | None = None,  # then `pred >= thresh` (multi-label classification)
+                 to_np: bool = False,  # give `func` numpy arrays (scikit-learn's metrics)
+                 invert_arg: bool = False,  # call `func(target, pred)`, scikit-learn's order
+                 flatten: bool = True,  # flatten both (a regression's (n, 1) output against (n,) targets)
+                 name: str | None = None,  # its column in the Recorder's table (default: `func`'s name)
+                 **kwargs: Any,  # more arguments for `func` (scikit-learn's `average='macro'`, ...)
+                ) -> None:
         _check_accum_args(func, activation)  # below
         self.func, self.dim_argmax, self.activation, self.thresh = func, dim_argmax, activation, thresh
         self.to_np, self.invert_arg, self.flatten, self.kwargs = to_np, invert_arg, flatten, kwargs
         self.name = name or _metric_name(func)
         self.reset()
-    def reset(self): self.preds, self.targs = [], []  # forget the batches kept
-    def accumulate(self, learn): self.accum_values(learn.pred, learn.y)
+    def reset(self) -> None: self.preds, self.targs = [], []  # forget the batches kept
+    def accumulate(self, learn: Learner) -> None: self.accum_values(learn.pred, learn.y)
 
-    def accum_values(self, pred, targ):
+    def accum_values(self, pred: torch.Tensor, targ: torch.Tensor) -> None:
         "Keep a batch's predictions (prepared as the arguments say) and its targets, on their device."
         pred, targ = self._prepared(pred.detach()), targ.detach()
         if self.flatten: pred, targ = _flattened(pred, targ, self.name)
@@ -97,13 +100,13 @@ class AccumMetric:
         self.targs.append(targ)
 
     @property
-    def value(self):
+    def value(self) -> Any:
         "`func` over every batch kept (None when there is none)."
         if not self.preds: return None
         pred, targ = torch.cat(self.preds), torch.cat(self.targs)
         if self.to_np: pred, targ = pred.cpu().numpy(), targ.cpu().numpy()
         return self.func(targ, pred, **self.kwargs) if self.invert_arg else self.func(pred, targ, **self.kwargs)
-    def __call__(self, pred, targ):  # on one batch (or a whole set) at once, as fastai's does
+    def __call__(self, pred: torch.Tensor, targ: torch.Tensor) -> Any:  # on one batch or a whole set, as fastai's
         self.reset()
         self.accum_values(pred, targ)
         return self.value
@@ -210,11 +213,11 @@ def _hyper_reader(opt):
 class Recorder(Callback):
     "Record batch losses, hyper-parameters and per-epoch losses and metrics, reading values once per epoch."
     order, observes = 50, True
-    def __init__(self, beta=0.98):
+    def __init__(self, beta: float = 0.98) -> None:
         self.beta = beta
         self.reset()
 
-    def reset(self):
+    def reset(self) -> None:
         "Forget the history."
         self._loss_chunks, self._epoch_losses, self._epoch_sizes = [], [], []
         self.hps, self.values, self.last_valid = defaultdict(list), [], []
@@ -236,13 +239,13 @@ class Recorder(Callback):
             for m in self._accumulated: m.accumulate(learn)
 
     @property
-    def losses(self):
+    def losses(self) -> list[float]:
         "Training loss of every batch so far, as floats."
         chunks = self._loss_chunks + ([_stack(self._epoch_losses)] if self._epoch_losses else [])
         return torch.cat([c.float().cpu() for c in chunks]).tolist() if chunks else []
 
     @property
-    def smooth_losses(self):
+    def smooth_losses(self) -> list[float]:
         "Debiased moving average of the batch losses."
         return smooth_values(self.losses, self.beta)
 
@@ -375,7 +378,7 @@ def format_row(row, widths):
 class ProgressCallback(Callback):
     "A tqdm bar for each training and validation phase, and a table row per epoch."
     order, observes = 60, True
-    def __init__(self, show_bar=True, print_rows=True):
+    def __init__(self, show_bar: bool = True, print_rows: bool = True) -> None:
         self.show_bar, self.print_rows, self.bar = show_bar, print_rows, None
 
     def quieten(self):
@@ -420,14 +423,14 @@ class MixedPrecision(Callback):
     """Forward pass and loss under `torch.autocast` (`dtype` default: float16 on CUDA, bfloat16 on CPU), with loss scaling for float16.
 
     Args:
-        dtype: torch.float16 or torch.bfloat16; None: float16 on CUDA, bfloat16 on the CPU
+        dtype: float16 or bfloat16; None: float16 on CUDA, bfloat16 on the CPU
         sync_free: take a step with an inf back on the device, read later; None: on CUDA
     """
     order = 10
     def __init__(self,
-                 dtype=None,  # torch.float16 or torch.bfloat16; None: float16 on CUDA, bfloat16 on the CPU
-                 sync_free=None,  # take a step with an inf back on the device, read later; None: on CUDA
-                ):
+                 dtype: torch.dtype | None = None,  # float16 or bfloat16; None: float16 on CUDA, bfloat16 on the CPU
+                 sync_free: bool | None = None,  # take a step with an inf back on the device, read later; None: on CUDA
+                ) -> None:
         if sync_free not in (None, True, False): raise ValueError(f"sync_free must be None, True or False, got {sync_free!r}")
         self.dtype, self.sync_free, self.scaler, self._saved_scaler = dtype, sync_free, None, None
         self.skipped, self._undo, self._pending, self._autocast, self.device_type = 0, None, None, None, None
@@ -568,7 +571,7 @@ class GradientAccumulation(Callback):
     # clips their sum.
     order, run_valid = 25, False
     accumulates_grads = True  # MixedPrecision waits for its check of each batch's gradients (see there)
-    def __init__(self, n_acc=32):  # samples per step (of all processes, when several train together)
+    def __init__(self, n_acc: int = 32) -> None:  # samples per step (of all processes, when several train together)
         check_count('n_acc', n_acc)
         self.n_acc, self.count, self.grads = n_acc, 0, None  # samples and gradients set aside since the last step
 

@@ -56,9 +56,9 @@ class CSVLogger(Callback):
     """
     order, observes = 60, True  # after the Recorder (50), which makes the row
     def __init__(self,
-                 fname='history.csv',  # the file to write (a folder: history.csv in it)
-                 append=False,  # add this fit's rows after the file's; else start the file afresh
-                ):
+                 fname: os.PathLike | str = 'history.csv',  # the file to write (a folder: history.csv in it)
+                 append: bool = False,  # add this fit's rows after the file's; else start the file afresh
+                ) -> None:
         self.fname, self.append = check_save_path(fname, 'history.csv', 'CSVLogger fname'), append
         self.quiet, self.lines_before, self._begun = False, None, False
 
@@ -70,7 +70,7 @@ class CSVLogger(Callback):
         if self._begun: _append_line(self.fname, _csv_line(self.recorder.values[-1]))
         else: self._begin_file()
 
-    def read_log(self):
+    def read_log(self) -> list[dict[str, int | float]]:
         "The file's rows, as dicts from the header's names to numbers."
         with open(self.fname, newline='') as f: return [{k: _number(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
@@ -104,16 +104,16 @@ class TensorBoardLogger(Callback):
     """Write the batch losses, every group's hyper-parameters, the epochs' rows and the effective lrs to TensorBoard.
 
     Args:
-        log_dir: the run's folder; None: runs/<date>_<host>, a new one per fit, as SummaryWriter's
+        log_dir: the run's folder; None: runs/<date>_<host>, a new one per fit
         every: training batches between two writes (their losses are read back then)
         effective_lr: True, False, or None: when the optimizer has a rule for them
     """
     order, observes = 60, True  # after the Recorder (50), which makes the epoch's row
     def __init__(self,
-                 log_dir=None,  # the run's folder; None: runs/<date>_<host>, a new one per fit, as SummaryWriter's
-                 every=50,  # training batches between two writes (their losses are read back then)
-                 effective_lr=None,  # True, False, or None: when the optimizer has a rule for them
-                ):
+                 log_dir: os.PathLike | str | None = None,  # the run's folder; None: runs/<date>_<host>, a new one per fit
+                 every: int = 50,  # training batches between two writes (their losses are read back then)
+                 effective_lr: bool | None = None,  # True, False, or None: when the optimizer has a rule for them
+                ) -> None:
         self._writer_class = _summary_writer()  # no tensorboard: an error that names the extra, now
         check_count('every', every)
         if effective_lr not in (None, True, False):
@@ -228,7 +228,7 @@ def _event_files_in_order(log_dir):
         yield folder
 
 # %% ../../nbs/05b_loggers.ipynb #l018
-def read_scalars(log_dir):
+def read_scalars(log_dir: os.PathLike | str) -> dict[str, list[tuple[int, float]]]:
     "A TensorBoard run folder's scalars as `{tag: [(step, value), ...]}`, read with tensorboard's `EventAccumulator`."
     _summary_writer()  # tensorboard is installed, or an error names the extra
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -242,16 +242,16 @@ class ShowGraph(Callback):
     """A figure of the training and validation losses, redrawn after each epoch: in place in a notebook, or saved to `path`.
 
     Args:
-        path: a PNG file to save the figure to after each epoch (a script shows no figure)
+        path: a PNG file to save the figure to after each epoch
         live: show it in the notebook; None: when running in a Jupyter kernel
         refresh: the fewest seconds between two drawings (the fit's end is always drawn)
     """
     order, observes = 65, True  # after the Recorder (50), which makes the epoch's row
     def __init__(self,
-                 path=None,  # a PNG file to save the figure to after each epoch (a script shows no figure)
-                 live=None,  # show it in the notebook; None: when running in a Jupyter kernel
-                 refresh=0.25,  # the fewest seconds between two drawings (the fit's end is always drawn)
-                ):
+                 path: os.PathLike | str | None = None,  # a PNG file to save the figure to after each epoch
+                 live: bool | None = None,  # show it in the notebook; None: when running in a Jupyter kernel
+                 refresh: float = 0.25,  # the fewest seconds between two drawings (the fit's end is always drawn)
+                ) -> None:
         if not refresh >= 0: raise ValueError(f"refresh must be a number of seconds >= 0, got {refresh!r}")
         self.path = None if path is None else check_save_path(path, 'losses.png', 'ShowGraph path')
         self.live, self.refresh, self.quiet = live, refresh, False
@@ -267,7 +267,7 @@ class ShowGraph(Callback):
     def cleanup_fit(self):
         if self._stale: self.draw()
 
-    def draw(self):
+    def draw(self) -> None:
         "Draw the losses now; show the figure (in place) and save it, as this callback is set to."
         live = _in_jupyter_kernel() if self.live is None else self.live
         self._stale, self._drawn_at = False, time.monotonic()

@@ -11,9 +11,12 @@ import copy
 import inspect
 import math
 import numbers
+import os
 from collections import namedtuple
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
 from functools import partial
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -22,13 +25,13 @@ from fastcore.basics import patch
 from .core import hypers_read, smooth_values
 from ..data import DataLoaders
 from ..learner import CancelFitException, Callback, Learner, callback_list, check_fit_args, snake_name
-from ..optim.core import check_hyper, spread_hyper
+from ..optim.core import HyperValue, check_hyper, spread_hyper
 from ..random_state import loader_generators, rng_states, set_rng_states
 
 # %% auto #0
-__all__ = ['PER_BATCH_SCHEDULERS', 'SUGGEST_FUNCS', 'annealing_no', 'annealing_linear', 'annealing_cos', 'annealing_exp',
-           'annealing_poly', 'schedule_pct', 'Stepper', 'combine_scheds', 'combined_cos', 'preview_values',
-           'plot_schedules', 'ParamScheduler', 'one_cycle_scheds', 'sgdr_epochs', 'check_scheds_fit',
+__all__ = ['Schedule', 'PER_BATCH_SCHEDULERS', 'SUGGEST_FUNCS', 'annealing_no', 'annealing_linear', 'annealing_cos',
+           'annealing_exp', 'annealing_poly', 'schedule_pct', 'Stepper', 'combine_scheds', 'combined_cos',
+           'preview_values', 'plot_schedules', 'ParamScheduler', 'one_cycle_scheds', 'sgdr_epochs', 'check_scheds_fit',
            'check_hyper_writers', 'LRSchedulerCallback', 'check_scheduler_args', 'cycles_momentum', 'scheduler_kwargs',
            'LRFinder', 'minimum', 'steep', 'longest_descent', 'valley', 'slide', 'suggest_lrs', 'plot_lr_find',
            'state_restored']
@@ -57,6 +60,9 @@ def annealing_poly(degree):
     return annealing_polynomial
 
 # %% ../../nbs/06_schedule.ipynb #c008
+# A schedule: a hyper-parameter's value at each point `pct` of training, from 0 (its start) to 1 (its end)
+Schedule = Callable[[float], float]
+
 def schedule_pct(step, n_steps):
     "Position of `step` (0-based) in a run of `n_steps` steps: 0 for the first, 1 for the last."
     return min(step / max(n_steps - 1, 1), 1.)
@@ -69,9 +75,9 @@ class Stepper:
         n_steps: number of steps
     """
     def __init__(self,
-                 schedule,  # a function of pct in [0, 1]
-                 n_steps:int,  # number of steps
-                ):
+                 schedule: Schedule,  # a function of pct in [0, 1]
+                 n_steps: int,  # number of steps
+                ) -> None:
         if not callable(schedule): raise TypeError(f"schedule must be a function of pct, got {type(schedule).__name__}")
         if isinstance(n_steps, bool) or not isinstance(n_steps, int) or n_steps < 1:
             raise ValueError(f"n_steps must be a whole number >= 1, got {n_steps!r}")
@@ -130,14 +136,14 @@ class ParamScheduler(Callback):
     """Set optimizer hyper-parameters from their schedules before each training batch.
 
     Args:
-        scheds: {hyper-parameter name: schedule of pct, or a list of them, one per parameter group}
-        fit_call: the learner's fit method call that made `scheds`, e.g. 'fit_one_cycle(4, lr_max=0.01)'
+        scheds: {hyper-parameter name: schedule, or one per group}
+        fit_call: the learner's call that made `scheds`, e.g. 'fit_one_cycle(4, lr_max=0.01)'
     """
     run_valid = False
     def __init__(self,
-                 scheds,  # {hyper-parameter name: schedule of pct, or a list of them, one per parameter group}
-                 fit_call=None,  # the learner's fit method call that made `scheds`, e.g. 'fit_one_cycle(4, lr_max=0.01)'
-                ):
+                 scheds: dict[str, Schedule | Sequence[Schedule]],  # {hyper-parameter name: schedule, or one per group}
+                 fit_call: str | None = None,  # the learner's call that made `scheds`, e.g. 'fit_one_cycle(4, lr_max=0.01)'
+                ) -> None:
         _check_scheds(scheds)
         self.scheds, self.fit_call = dict(scheds), fit_call
         self._done, self._n_steps = 0, 0
@@ -180,16 +186,16 @@ def one_cycle_scheds(lr_max, div=25., div_final=1e5, pct_start=0.25, moms=(0.95,
 # %% ../../nbs/06_schedule.ipynb #c027
 @patch
 def fit_one_cycle(self:Learner,
-                  n_epoch:int,  # number of epochs
-                  lr_max=None,  # peak learning rate (number or slice); None: the learner's `lr`
-                  div=25.,  # the learning rate starts at lr_max/div
-                  div_final=1e5,  # and ends at lr_max/div_final
-                  pct_start=0.25,  # share of training spent rising to lr_max
-                  wd=None,  # weight decay for this fit; None keeps the optimizer's
-                  moms=None,  # momentum (start, middle, end); None: the learner's `moms`
-                  cbs=None,  # extra callbacks for this fit
-                  resume=None,  # checkpoint to continue from (see `Learner.fit`)
-                 ):
+                  n_epoch: int,  # number of epochs
+                  lr_max: HyperValue | None = None,  # peak learning rate (number or slice); None: the learner's `lr`
+                  div: float = 25.,  # the learning rate starts at lr_max/div
+                  div_final: float = 1e5,  # and ends at lr_max/div_final
+                  pct_start: float = 0.25,  # share of training spent rising to lr_max
+                  wd: HyperValue | None = None,  # weight decay for this fit; None keeps the optimizer's
+                  moms: tuple[float, float, float] | None = None,  # momentum (start, middle, end); None: the learner's `moms`
+                  cbs: Callback | Iterable[Callback] | None = None,  # extra callbacks for this fit
+                  resume: os.PathLike | str | None = None,  # checkpoint to continue from (see `Learner.fit`)
+                 ) -> None:
     """Fit with the one-cycle policy: cosine warm-up of the learning rate to `lr_max`, cosine decay; momentum the other way.
 
     Args:
@@ -221,14 +227,14 @@ def fit_one_cycle(self:Learner,
 # %% ../../nbs/06_schedule.ipynb #c029
 @patch
 def fit_flat_cos(self:Learner,
-                 n_epoch:int,  # number of epochs
-                 lr=None,  # the flat learning rate (number or slice); None: the learner's `lr`
-                 div_final=1e5,  # the learning rate ends at lr/div_final
-                 pct_start=0.75,  # share of training at the flat learning rate
-                 wd=None,  # weight decay for this fit; None keeps the optimizer's
-                 cbs=None,  # extra callbacks for this fit
-                 resume=None,  # checkpoint to continue from (see `Learner.fit`)
-                ):
+                 n_epoch: int,  # number of epochs
+                 lr: HyperValue | None = None,  # the flat learning rate (number or slice); None: the learner's `lr`
+                 div_final: float = 1e5,  # the learning rate ends at lr/div_final
+                 pct_start: float = 0.75,  # share of training at the flat learning rate
+                 wd: HyperValue | None = None,  # weight decay for this fit; None keeps the optimizer's
+                 cbs: Callback | Iterable[Callback] | None = None,  # extra callbacks for this fit
+                 resume: os.PathLike | str | None = None,  # checkpoint to continue from (see `Learner.fit`)
+                ) -> None:
     """Fit with a flat learning rate for `pct_start` of training, then a cosine decay to `lr/div_final`.
 
     Args:
@@ -259,20 +265,20 @@ def sgdr_epochs(n_cycles, cycle_len, cycle_mult=2):
 
 @patch
 def fit_sgdr(self:Learner,
-             n_cycles:int,  # number of cosine cycles
-             cycle_len:int,  # epochs in the first cycle
-             lr_max=None,  # learning rate at the start of each cycle (number or slice); None: the learner's `lr`
-             cycle_mult=2,  # each cycle is this many times longer than the one before
-             wd=None,  # weight decay for this fit; None keeps the optimizer's
-             cbs=None,  # extra callbacks for this fit
-             resume=None,  # checkpoint to continue from (see `Learner.fit`)
-            ):
+             n_cycles: int,  # number of cosine cycles
+             cycle_len: int,  # epochs in the first cycle
+             lr_max: HyperValue | None = None,  # learning rate at the start of each cycle; None: the learner's `lr`
+             cycle_mult: int = 2,  # each cycle is this many times longer than the one before
+             wd: HyperValue | None = None,  # weight decay for this fit; None keeps the optimizer's
+             cbs: Callback | Iterable[Callback] | None = None,  # extra callbacks for this fit
+             resume: os.PathLike | str | None = None,  # checkpoint to continue from (see `Learner.fit`)
+            ) -> None:
     """Fit with warm restarts: `n_cycles` cosine decays from `lr_max` to 0, each `cycle_mult` times longer than the last.
 
     Args:
         n_cycles: number of cosine cycles
         cycle_len: epochs in the first cycle
-        lr_max: learning rate at the start of each cycle (number or slice); None: the learner's `lr`
+        lr_max: learning rate at the start of each cycle; None: the learner's `lr`
         cycle_mult: each cycle is this many times longer than the one before
         wd: weight decay for this fit; None keeps the optimizer's
         cbs: extra callbacks for this fit
@@ -389,18 +395,18 @@ class LRSchedulerCallback(Callback):
     """Set the learning rate (and momentum) from a `torch.optim.lr_scheduler` class, stepped after each batch or epoch.
 
     Args:
-        scheduler_cls: a class of `torch.optim.lr_scheduler`, e.g. `StepLR` (the class, not a scheduler)
+        scheduler_cls: a class, e.g. `StepLR`, not a scheduler
         args: its arguments after the optimizer
-        step: 'batch' or 'epoch'; None: 'batch' for OneCycleLR and CyclicLR, else 'epoch'
+        step: default: 'batch' for OneCycleLR and CyclicLR, else 'epoch'
         kwargs: its keyword arguments
     """
     run_valid = False
     def __init__(self,
-                 scheduler_cls,  # a class of `torch.optim.lr_scheduler`, e.g. `StepLR` (the class, not a scheduler)
-                 *args,  # its arguments after the optimizer
-                 step=None,  # 'batch' or 'epoch'; None: 'batch' for OneCycleLR and CyclicLR, else 'epoch'
-                 **kwargs,  # its keyword arguments
-                ):
+                 scheduler_cls: type[torch.optim.lr_scheduler.LRScheduler],  # a class, e.g. `StepLR`, not a scheduler
+                 *args: Any,  # its arguments after the optimizer
+                 step: Literal['batch', 'epoch'] | None = None,  # default: 'batch' for OneCycleLR and CyclicLR, else 'epoch'
+                 **kwargs: Any,  # its keyword arguments
+                ) -> None:
         self.step = check_scheduler_args(scheduler_cls, args, kwargs, step)  # under the hood, below
         self.scheduler_cls, self.args, self.kwargs, self.scheduler, self.epochs_seen = scheduler_cls, args, kwargs, None, 0
         self.hyper_names = ['lr', 'mom'] if cycles_momentum(scheduler_cls, args, kwargs) else ['lr']  # what it sets
@@ -523,7 +529,8 @@ class LRFinder(Callback):
     "Raise the learning rate exponentially from `start_lr` to `end_lr` over `num_it` batches; stop when the loss diverges."
     # After TrainEvalCallback (`train_iter` then counts the batch just done) and the Recorder (it records the last batch too).
     order, run_valid = 55, False
-    def __init__(self, start_lr=1e-7, end_lr=10, num_it=100, stop_div=True, beta=0.98):
+    def __init__(self, start_lr: float = 1e-7, end_lr: float = 10, num_it: int = 100, stop_div: bool = True,
+                 beta: float = 0.98) -> None:
         self.schedule = partial(annealing_exp, start_lr, end_lr)
         self.num_it, self.stop_div, self.beta = num_it, stop_div, beta
 
@@ -672,13 +679,13 @@ def _check_lr_find_args(start_lr, end_lr, num_it, suggest_funcs):
 
 @patch
 def lr_find(self:Learner,
-            start_lr=1e-7,  # learning rate of the first batch
-            end_lr=10,  # learning rate of batch `num_it` (if the run gets that far)
-            num_it=100,  # number of batches
-            stop_div=True,  # stop when the smoothed loss exceeds 4 times its best
-            show_plot=True,  # plot loss against learning rate, with the suggestions
-            suggest_funcs=SUGGEST_FUNCS,  # functions f(lrs, losses) -> suggested learning rate
-           ):
+            start_lr: float = 1e-7,  # learning rate of the first batch
+            end_lr: float = 10,  # learning rate of batch `num_it` (if the run gets that far)
+            num_it: int = 100,  # number of batches
+            stop_div: bool = True,  # stop when the smoothed loss exceeds 4 times its best
+            show_plot: bool = True,  # plot loss against learning rate, with the suggestions
+            suggest_funcs: Sequence[Callable] = SUGGEST_FUNCS,  # functions f(lrs, losses) -> suggested learning rate
+           ) -> tuple[float, ...]:  # a named tuple, a field for each of `suggest_funcs`
     """Find a good learning rate with a range test, kept in `learn.lr_range_test`; the learner is restored. Returns the suggestions.
 
     Args:

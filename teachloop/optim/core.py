@@ -9,18 +9,21 @@ import inspect
 import math
 import numbers
 from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 import torch
 
 # %% auto #0
-__all__ = ['AT_LEAST_0', 'ABOVE_0', 'IN_0_1', 'MISSING', 'OPTIMIZER_CALLBACKS', 'FAST_STEP_PLANNERS', 'PER_PARAMETER_SETTINGS',
-           'OPTIMIZERS', 'sgd_step', 'weight_decay', 'l2_reg', 'average_grad', 'momentum_step', 'average_sqr_grad',
-           'rms_prop_step', 'step_stat', 'debias', 'adam_step', 'SGD', 'RMSProp', 'Adam', 'run_steps', 'CallbackFacts',
-           'callback_function', 'declare_callback', 'callback_facts', 'check_hyper', 'spread_hyper', 'param_shapes',
-           'check_state_dict_fits', 'add_fast_step_planner', 'find_fast_step', 'names_read', 'torch_momentum_name',
-           'HyperGroup', 'Optimizer', 'gradients_kept', 'OptimizerInfo', 'declare_optimizer']
+__all__ = ['AT_LEAST_0', 'ABOVE_0', 'IN_0_1', 'MISSING', 'OPTIMIZER_CALLBACKS', 'HyperValue', 'FAST_STEP_PLANNERS',
+           'PER_PARAMETER_SETTINGS', 'Params', 'OPTIMIZERS', 'sgd_step', 'weight_decay', 'l2_reg', 'average_grad',
+           'momentum_step', 'average_sqr_grad', 'rms_prop_step', 'step_stat', 'debias', 'adam_step', 'SGD', 'RMSProp',
+           'Adam', 'run_steps', 'CallbackFacts', 'callback_function', 'declare_callback', 'callback_facts',
+           'check_hyper', 'spread_hyper', 'param_shapes', 'check_state_dict_fits', 'add_fast_step_planner',
+           'find_fast_step', 'names_read', 'torch_momentum_name', 'HyperGroup', 'Optimizer', 'gradients_kept',
+           'OptimizerInfo', 'declare_optimizer']
 
 # %% ../../nbs/01_optimizer.ipynb #c018
 def sgd_step(p, lr, **kwargs):
@@ -86,17 +89,20 @@ adam_step.defaults = dict(eps=1e-5)
 # %% ../../nbs/01_optimizer.ipynb #c042
 def _decay(decouple_wd): return weight_decay if decouple_wd else l2_reg
 
-def SGD(params, lr, mom=0., wd=0., decouple_wd=True, fast=None):
+def SGD(params: Params, lr: float, mom: float = 0., wd: float = 0., decouple_wd: bool = True,
+        fast: bool | None = None) -> Optimizer:
     "SGD, with momentum when `mom` > 0 (undampened, as in `torch.optim.SGD`)."
     cbs = [_decay(decouple_wd)] + ([average_grad, momentum_step] if mom else [sgd_step])
     return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, wd=wd)
 
-def RMSProp(params, lr, sqr_mom=0.99, mom=0., eps=1e-8, wd=0., decouple_wd=True, fast=None):
+def RMSProp(params: Params, lr: float, sqr_mom: float = 0.99, mom: float = 0., eps: float = 1e-8, wd: float = 0.,
+            decouple_wd: bool = True, fast: bool | None = None) -> Optimizer:
     "RMSProp; with `mom` > 0 it steps along the average gradient."
     cbs = [_decay(decouple_wd)] + ([average_grad] if mom else []) + [average_sqr_grad, rms_prop_step]
     return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
 
-def Adam(params, lr, mom=0.9, sqr_mom=0.99, eps=1e-5, wd=0.01, decouple_wd=True, fast=None):
+def Adam(params: Params, lr: float, mom: float = 0.9, sqr_mom: float = 0.99, eps: float = 1e-5, wd: float = 0.01,
+         decouple_wd: bool = True, fast: bool | None = None) -> Optimizer:
     "Adam (AdamW when `decouple_wd`), with fastai's defaults."
     cbs = [_decay(decouple_wd), partial(average_grad, dampening=True), average_sqr_grad, step_stat, adam_step]
     return Optimizer(params, cbs, fast=fast, lr=lr, mom=mom, sqr_mom=sqr_mom, eps=eps, wd=wd)
@@ -178,7 +184,10 @@ declare_callback(step_stat, hypers={})
 declare_callback(adam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0})
 
 # %% ../../nbs/01_optimizer.ipynb #c007
-def spread_hyper(value, n_groups):
+# A hyper-parameter as a user gives it: a number for every group, one value per group, or a slice spread across them
+HyperValue = float | Sequence[float] | slice
+
+def spread_hyper(value: HyperValue, n_groups: int) -> list[float]:
     "One value per group from a number, a list of `n_groups` values, or a `slice` spread across groups."
     if isinstance(value, slice):
         lo, hi = value.start, value.stop
@@ -317,6 +326,9 @@ def _callback_name(cb):
     while isinstance(cb, partial): cb = cb.func
     return getattr(cb, '__name__', type(cb).__name__)
 
+# What an optimizer takes as `params`: tensors, one list of tensors per group, or torch-style group dicts
+Params = Iterable[torch.Tensor] | Iterable[Sequence[torch.Tensor]] | Iterable[dict[str, Any]]
+
 def _as_param_groups(params):
     "Parameter groups as torch expects them, from tensors, lists of tensors or dicts (whose 'params' may be generators)."
     if isinstance(params, torch.Tensor):  # iterating it would give its rows, which are not parameters
@@ -357,16 +369,16 @@ class Optimizer(torch.optim.Optimizer):
     Args:
         params: tensors, lists of tensors (one list per group), or torch-style group dicts
         cbs: optimizer callbacks, run in this order on each parameter at every step
-        fast: multi-tensor step (notebook 08): `None` when one exists, `True` always, `False` never
+        fast: multi-tensor step (notebook 08): None when one exists, True always, False never
         defaults: hyper-parameters shared by all groups (`lr`, `mom`, ...)
     """
     kept_in_groups = ()  # names of values a subclass keeps in each group (state, not hyper-parameters)
     def __init__(self,
-                 params,  # tensors, lists of tensors (one list per group), or torch-style group dicts
-                 cbs,  # optimizer callbacks, run in this order on each parameter at every step
-                 fast=None,  # multi-tensor step (notebook 08): `None` when one exists, `True` always, `False` never
-                 **defaults,  # hyper-parameters shared by all groups (`lr`, `mom`, ...)
-                ):
+                 params: Params,  # tensors, lists of tensors (one list per group), or torch-style group dicts
+                 cbs: Iterable[Callable],  # optimizer callbacks, run in this order on each parameter at every step
+                 fast: bool | None = None,  # multi-tensor step (notebook 08): None when one exists, True always, False never
+                 **defaults: Any,  # hyper-parameters shared by all groups (`lr`, `mom`, ...)
+                ) -> None:
         if fast not in (None, True, False):
             raise TypeError(f"fast must be None (fast step when there is one), True or False, got {fast!r}")
         self.cbs, self.fast, self._fast_plans, self._sorted = list(cbs), fast, {}, {}
@@ -386,7 +398,7 @@ class Optimizer(torch.optim.Optimizer):
         if self.torch_alias: self.defaults[self.torch_alias] = self.param_groups[0][self.torch_alias]
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
         "Run the callbacks: those declared per group once on each group, the others on every parameter that has a gradient."
         loss = None
         if closure is not None:
@@ -445,7 +457,7 @@ class Optimizer(torch.optim.Optimizer):
         "What `copy.deepcopy` and `pickle` keep: torch's state plus the callbacks (the fast step is planned again)."
         return {**super().__getstate__(), 'cbs': self.cbs, 'fast': self.fast, '_fast_plans': {}, '_sorted': {}}
 
-    def clear_state(self):
+    def clear_state(self) -> None:
         "Forget every parameter's running state (moving averages, step counts); keep settings such as `do_wd`."
         kept = {p: {k: state[k] for k in PER_PARAMETER_SETTINGS if k in state} for p, state in self.state.items()}
         self.state.clear()
@@ -457,17 +469,17 @@ class Optimizer(torch.optim.Optimizer):
         return {*self.kept_in_groups, *(name for cb in self.cbs for name in callback_facts(cb).per_group)}
 
     @property
-    def hypers(self):
+    def hypers(self) -> list[dict[str, Any]]:
         "The hyper-parameters of each group by teachloop's names, as a list of dicts."
         hidden = {'params', self.torch_alias, *self.group_state}
         return [{k: v for k, v in group.items() if k not in hidden} for group in self.param_groups]
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         "The state as `torch.optim.Optimizer` saves it, plus the names of the callbacks that made it and the parameters' shapes."
         return {**super().state_dict(), 'callbacks': [_callback_name(cb) for cb in self.cbs],
                 'param_shapes': param_shapes(self)}
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         "Load a saved state after checking it fits this optimizer; a state that does not fit changes nothing."
         check_state_dict_fits(self, state_dict)
         super().load_state_dict({k: v for k, v in state_dict.items() if k not in ('callbacks', 'param_shapes')})
@@ -480,7 +492,7 @@ class Optimizer(torch.optim.Optimizer):
     def hyper_changed(self, group, name, old):
         "Called after the hyper-parameter `name` of `group` changed from `old` (a subclass whose state depends on it reacts)."
 
-    def set_hyper(self, name, value):
+    def set_hyper(self, name: str, value: HyperValue) -> None:
         "Set hyper-parameter `name` to `value`: a number, one value per group, or a `slice` spread across groups."
         if name not in self.defaults or name in self.group_state:
             raise KeyError(f"unknown hyper-parameter {name!r} for this optimizer; it has {sorted(self.defaults)}")

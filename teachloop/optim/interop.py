@@ -6,10 +6,14 @@
 # %% ../../nbs/09_interop.ipynb #c002
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 from fastcore.basics import patch
 import torch
 
 from .core import _as_param_groups, check_hyper, check_state_dict_fits, declare_optimizer, param_shapes, spread_hyper
+from .core import HyperValue, Params
 
 # %% auto #0
 __all__ = ['NORM_LAYERS', 'torch_location', 'read_hyper', 'write_hyper', 'OptimWrapper', 'split_at', 'parameter_groups',
@@ -51,32 +55,32 @@ class OptimWrapper:
         kwargs: other arguments of `opt`, in its own names (`betas`, `weight_decay`, ...)
     """
     def __init__(self,
-                 params,  # tensors, lists of tensors (one per group) or torch-style group dicts
-                 opt,  # a torch.optim optimizer class, e.g. `torch.optim.AdamW`
-                 lr=1e-3,  # learning rate
-                 **kwargs,  # other arguments of `opt`, in its own names (`betas`, `weight_decay`, ...)
-                ):
+                 params: Params,  # tensors, lists of tensors (one per group) or torch-style group dicts
+                 opt: type[torch.optim.Optimizer],  # a torch.optim optimizer class, e.g. `torch.optim.AdamW`
+                 lr: float = 1e-3,  # learning rate
+                 **kwargs: Any,  # other arguments of `opt`, in its own names (`betas`, `weight_decay`, ...)
+                ) -> None:
         self.opt = opt(_as_param_groups(params), lr=lr, **kwargs)
         self.names = [n for n in ('lr', 'mom', 'sqr_mom', 'wd', 'eps')
                       if all(torch_location(g, n) for g in self.opt.param_groups)]
 
     @property
-    def param_groups(self): return self.opt.param_groups
+    def param_groups(self) -> list[dict[str, Any]]: return self.opt.param_groups
 
     @property
-    def decouple_wd(self):
+    def decouple_wd(self) -> bool:
         "Whether weight decay is decoupled (AdamW-style) rather than added to the gradient (L2)."
         return isinstance(self.opt, torch.optim.AdamW) or bool(self.opt.defaults.get('decoupled_weight_decay'))
 
-    def step(self, closure=None): return self.opt.step(closure)
-    def zero_grad(self, set_to_none=True): self.opt.zero_grad(set_to_none=set_to_none)
+    def step(self, closure: Callable[[], float] | None = None) -> float | None: return self.opt.step(closure)
+    def zero_grad(self, set_to_none: bool = True) -> None: self.opt.zero_grad(set_to_none=set_to_none)
 
     @property
-    def hypers(self):
+    def hypers(self) -> list[dict[str, Any]]:
         "The hyper-parameters of each group, under teachloop's names."
         return [{n: read_hyper(g, torch_location(g, n)) for n in self.names} for g in self.opt.param_groups]
 
-    def set_hyper(self, name, value):
+    def set_hyper(self, name: str, value: HyperValue) -> None:
         "Set `name` (teachloop's name) to a number, one value per group, or a `slice` spread across groups."
         if name not in self.names:
             raise KeyError(f"{type(self.opt).__name__} has no hyper-parameter {name!r}; it has {self.names}")
@@ -87,7 +91,7 @@ class OptimWrapper:
     def __repr__(self): return f"OptimWrapper({type(self.opt).__name__}, hypers={self.hypers})"
 
 # %% ../../nbs/09_interop.ipynb #c018
-def split_at(model, *cuts):
+def split_at(model: torch.nn.Module, *cuts: int) -> list[list[torch.nn.Parameter]]:
     "Parameter groups of `model`: its children cut at the indices `cuts` (negative ones count from the end)."
     children = list(model.children())
     bounds = [0] + [c % len(children) if c < 0 else c for c in cuts] + [len(children)]
@@ -157,12 +161,12 @@ def train(self:OptimWrapper): return getattr(self.opt, 'train', None)
 def eval(self:OptimWrapper): return getattr(self.opt, 'eval', None)
 
 @patch
-def state_dict(self:OptimWrapper):
+def state_dict(self:OptimWrapper) -> dict[str, Any]:
     "The torch optimizer's state, with the parameters' shapes (for the check on loading)."
     return {**self.opt.state_dict(), 'param_shapes': param_shapes(self.opt)}
 
 @patch
-def load_state_dict(self:OptimWrapper, state_dict):
+def load_state_dict(self:OptimWrapper, state_dict: dict[str, Any]) -> None:
     "Load a saved state after checking it fits; a state that does not fit changes nothing."
     check_state_dict_fits(self.opt, state_dict)
     self.opt.load_state_dict({k: v for k, v in state_dict.items() if k != 'param_shapes'})

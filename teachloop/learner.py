@@ -26,12 +26,13 @@ from .data import DataLoaders
 from .optim.core import Adam, HyperValue, Optimizer, check_hyper
 
 # %% auto #0
-__all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'Splitter', 'LOSS_ACTIVATIONS', 'COMPILED_PREFIX',
-           'CancelBatchException', 'CancelBackwardException', 'CancelStepException', 'CancelTrainException',
-           'CancelValidException', 'CancelEpochException', 'CancelFitException', 'snake_name', 'check_event_names',
-           'Callback', 'set_optimizer_mode', 'TrainEvalCallback', 'add_default_callbacks', 'OneProcess',
-           'default_splitter', 'Learner', 'callback_list', 'GatherPreds', 'softmax_over_classes', 'most_probable_class',
-           'above_half', 'loss_activation', 'loss_decodes', 'check_fit_args', 'state_for', 'check_state_matches',
+__all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'Splitter', 'LOSS_ACTIVATIONS',
+           'REGRESSION_LOSSES', 'COMPILED_PREFIX', 'CancelBatchException', 'CancelBackwardException',
+           'CancelStepException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
+           'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'set_optimizer_mode',
+           'TrainEvalCallback', 'add_default_callbacks', 'OneProcess', 'default_splitter', 'Learner', 'callback_list',
+           'GatherPreds', 'softmax_over_classes', 'most_probable_class', 'above_half', 'activation_known',
+           'loss_activation', 'loss_decodes', 'check_fit_args', 'state_for', 'check_state_matches',
            'optimizer_with_state', 'restore_training_state', 'EventLog']
 
 # %% ../nbs/04_learner.ipynb #c004
@@ -522,11 +523,20 @@ def _unchanged(pred): return pred
 # The losses whose activation is known: (the loss as a function, as a module, its activation, its decoding)
 LOSS_ACTIVATIONS = [(nn.functional.cross_entropy, nn.CrossEntropyLoss, softmax_over_classes, most_probable_class),
                     (nn.functional.binary_cross_entropy_with_logits, nn.BCEWithLogitsLoss, torch.sigmoid, above_half)]
+# The losses of a regression: the output is the prediction itself, nothing to apply
+REGRESSION_LOSSES = [(nn.functional.mse_loss, nn.MSELoss), (nn.functional.l1_loss, nn.L1Loss),
+                     (nn.functional.smooth_l1_loss, nn.SmoothL1Loss), (nn.functional.huber_loss, nn.HuberLoss)]
 
 def _known(loss_func, i):
     "Item `i` (2: the activation, 3: the decoding) of the entry of `loss_func` in `LOSS_ACTIVATIONS`; else no change."
     func = loss_func.func if isinstance(loss_func, partial) else loss_func
     return next((known[i] for known in LOSS_ACTIVATIONS if func is known[0] or isinstance(func, known[1])), _unchanged)
+
+def activation_known(loss_func):
+    "Whether teachloop knows what turns outputs for `loss_func` into predictions (its own `activation`, or the table)."
+    func = loss_func.func if isinstance(loss_func, partial) else loss_func
+    known = [entry[:2] for entry in LOSS_ACTIVATIONS] + REGRESSION_LOSSES
+    return hasattr(loss_func, 'activation') or any(func is f or isinstance(func, m) for f, m in known)
 
 def loss_activation(loss_func):
     "What turns the model's output into the probabilities `loss_func` compares with the targets (or leaves it)."
@@ -535,6 +545,12 @@ def loss_activation(loss_func):
 def loss_decodes(loss_func):
     "What turns probabilities for `loss_func` into answers: the most probable class, each label above 1/2 (or nothing)."
     return getattr(loss_func, 'decodes', None) or _known(loss_func, 3)
+
+def _warn_raw_outputs(loss_func):
+    name = getattr(loss_func, '__name__', type(loss_func).__name__)
+    warnings.warn(f"get_preds does not know the activation of the loss {name}: the predictions are the model's raw "
+                  "outputs. Pass `act=` (e.g. `act=softmax_over_classes` for a classifier, `act=lambda out: out` to keep "
+                  "them as they are), or give the loss an `activation` attribute, as fastai's losses have", stacklevel=3)
 
 # %% ../nbs/04_learner.ipynb #c027b
 @patch
@@ -557,6 +573,7 @@ def get_preds(self:Learner,
     with self.exclusive('get_preds'), self.added_cbs([gather]):
         try: self._do_validate(dl if dl is not None else self.dls.valid)
         finally: self._cleanup()
+    if act is None and not activation_known(self.loss_func): _warn_raw_outputs(self.loss_func)
     preds = (act or loss_activation(self.loss_func))(_gathered(gather.preds))  # `_gathered`: under the hood
     found = [_unpacked(_gathered(gather.inputs))] if with_input else []
     found += [preds, _unpacked(_gathered(gather.targets))]

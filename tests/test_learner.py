@@ -793,6 +793,23 @@ def test_get_preds_gives_the_losses_probabilities_and_decodes_them(loss_func, ta
     assert torch.equal(raw, out)
 
 
+def test_a_loss_whose_activation_is_unknown_gives_raw_outputs_with_a_warning_and_a_regressions_without():
+    x, labels = float64_data()
+    for loss_func, y, warns in ((lambda out, y: F.cross_entropy(out, y), labels, True), (F.mse_loss, x[:, :2], False),
+                                (nn.L1Loss(), x[:, :2], False), (partial(F.huber_loss, delta=0.5), x[:, :2], False)):
+        learn = Learner(loaders(x, y), nn.Linear(3, 2).double(), loss_func, opt_func=SGD, lr=0.1, default_cbs=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            preds, _ = learn.get_preds()
+        said = [str(w.message) for w in caught if 'activation' in str(w.message)]
+        assert torch.equal(preds, outputs_by_hand(learn.model, x))  # the outputs as they are, in every case
+        assert len(said) == warns and (not warns or ('act=' in said[0] and '<lambda>' in said[0]))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter('always')
+            learn.get_preds(act=lambda out: out)  # chosen: nothing to say
+        assert not [w for w in caught if 'activation' in str(w.message)]
+
+
 def test_cross_entropys_classes_are_in_dimension_1_as_torch_takes_them():
     "A sequence model's output (batch, classes, length): the probabilities are those whose log the loss averages."
     torch.manual_seed(0)

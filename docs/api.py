@@ -1,5 +1,7 @@
 """The API reference page, written from the package itself: each exported name with its docstring, signature,
-parameters (the inline comments that `docments` reads) and a link to the notebook cell that defines it."""
+parameters (the inline comments that `docments` reads) and a link to the notebook cell that defines it. A class lists
+its documented methods; a method that a module adds to another module's class (fastcore's `@patch`, e.g.
+`Learner.lr_find` from teachloop.callback.schedule) is listed with that module."""
 import ast
 import importlib
 import inspect
@@ -40,17 +42,59 @@ def _defined_at(tree):
     return lines
 
 
+def _is_patch(decorator):
+    "`@patch` or `@patch(as_prop=True)`."
+    return getattr(decorator.func if isinstance(decorator, ast.Call) else decorator, 'id', None) == 'patch'
+
+
+def added_methods(module):
+    "`Class.method` of each public method that `module` adds to a class of another module with fastcore's `@patch`."
+    tree = ast.parse(Path(module.__file__).read_text())
+    own = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
+    found = []
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef) or node.name.startswith('_') or not node.args.args: continue
+        cls = node.args.args[0].annotation  # `self:Learner`
+        if any(map(_is_patch, node.decorator_list)) and isinstance(cls, ast.Name) and cls.id not in own:
+            found.append(f'{cls.id}.{node.name}')
+    return found
+
+
+def public_names(module):
+    "What the API page lists for `module`: its `__all__`, then the methods it adds to other modules' classes."
+    return [*module.__all__, *added_methods(module)]
+
+
 def definitions(modules):
-    "`(module name, name)` -> `(notebook stem, cell id)` of the cell that defines each exported name."
+    "`(module name, name)` -> `(notebook stem, cell id)` of the cell that defines each of the modules' public names."
     found = {}
     for module in modules:
         source = Path(module.__file__).read_text().splitlines()
         markers = [(i + 1, m.groups()) for i, line in enumerate(source) if (m := _CELL_MARKER.match(line))]
         lines = _defined_at(ast.parse('\n'.join(source)))
-        for name in module.__all__:
-            cells = [cell for line, cell in markers if line < lines.get(name, 0)]
+        for name in public_names(module):
+            cells = [cell for line, cell in markers if line < lines.get(name.rpartition('.')[2], 0)]
             if cells: found[module.__name__, name] = cells[-1]
     return found
+
+
+def api_names(modules):
+    """`{name: (module name, Sphinx object id)}` of what the API page documents: the modules' public names, the methods
+    of their classes as `Class.method`, and a method added to another module's class under its own name too."""
+    names = {}
+    for module in modules:
+        for name in module.__all__:
+            names.setdefault(name, (module.__name__, f'{module.__name__}.{name}'))
+            obj = getattr(module, name)
+            if inspect.isclass(obj) and obj.__module__ == module.__name__:
+                for method_name, _ in methods(obj, module):
+                    method = f'{name}.{method_name}'
+                    names.setdefault(method, (module.__name__, f'{module.__name__}.{method}'))
+    for module in modules:
+        for name in added_methods(module):
+            for key in (name, name.rpartition('.')[2]):
+                names.setdefault(key, (module.__name__, f'{module.__name__}.{name}'))
+    return names
 
 
 def label(module_name, name):
@@ -72,16 +116,22 @@ class _AsWritten(str):
     def __repr__(self): return str(self)
 
 
-def signature(obj):
-    "The call signature, with readable defaults; '' when Python cannot tell (e.g. exceptions built on `Exception`)."
+def signature(obj, method=False):
+    """The call signature, with readable defaults; '' when Python cannot tell (e.g. exceptions built on `Exception`).
+    A `method`'s first parameter (`self`, `cls`) is left out, as a call on an instance shows it."""
     try: sig = inspect.signature(obj)
     except (TypeError, ValueError): return ''
     # `from __future__ import annotations` leaves annotations as strings
     plain = lambda annotation: _AsWritten(annotation) if isinstance(annotation, str) else annotation
     params = [p.replace(annotation=plain(p.annotation),
                         default=p.default if p.default is p.empty else _AsWritten(readable(p.default)))
-              for p in sig.parameters.values()]
+              for p in list(sig.parameters.values())[1 if method else 0:]]
     return str(sig.replace(parameters=params, return_annotation=plain(sig.return_annotation)))
+
+
+def docstring(obj):
+    "The docstring without the `Args:` section that the export adds for `help()`: the page lists the parameters itself."
+    return (inspect.getdoc(obj) or '').split('\n\nArgs:\n')[0]
 
 
 def _constant_comment(module, name):
@@ -99,7 +149,8 @@ def _constant_comment(module, name):
 
 
 def _directive(kind, head, body, options=()):
-    fence = '````' if '```' in body else '```'
+    "A MyST directive fenced with more backticks than any fence inside `body` (a class holds its methods' directives)."
+    fence = '`' * max([3] + [len(run) + 1 for run in re.findall(r'^`{3,}', body, re.MULTILINE)])
     return '\n'.join([f'{fence}{{py:{kind}}} {head}', *options, '', body, fence, ''])
 
 
@@ -111,34 +162,63 @@ def _notebook_link(module, titles, name=None, where=()):
     return f"{{doc}}`{title} <{stem}>`"
 
 
+def _fields(func):
+    "The inline comments of a function's parameters and return value, as MyST fields."
+    params = docments(func, full=True)
+    returns = params.pop('return', {}).get('docment')
+    return [f':param {param}: {info["docment"]}' for param, info in params.items()
+            if param not in ('self', 'cls') and info['docment']] + ([f':returns: {returns}'] if returns else [])
+
+
+def _function_of(value):
+    "The function a class attribute holds (a static or class method's own function), or None."
+    value = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+    return value if inspect.isfunction(value) else None
+
+
+def methods(cls, module):
+    "`(name, attribute)` of the public, documented methods that `module` defines on `cls`, in the order added."
+    return [(name, value) for name, value in vars(cls).items() if not name.startswith('_') and
+            (func := _function_of(value)) and func.__module__ == module.__name__ and func.__doc__]
+
+
+def method(name, value, options=(), link=None):
+    "A method as a MyST directive: inside its class's directive, or at the module's level as `Class.name`."
+    func, kind = _function_of(value), type(value)
+    options = [*options] + ([f':{kind.__name__}:'] if kind in (staticmethod, classmethod) else [])
+    body = '\n\n'.join(filter(None, [docstring(func), '\n'.join(_fields(func)), link]))
+    return _directive('method', f'{name}{signature(func, method=kind is not staticmethod)}', body, options)
+
+
 def document(module, name, where, titles):
-    "One exported name as a MyST directive of Sphinx's Python domain."
-    obj = getattr(module, name)
+    "One public name as a MyST directive of Sphinx's Python domain."
     options = [f':module: {module.__name__}']
     link = f"Explained in {_notebook_link(module, titles, name, where)}."
-    if not callable(obj):
+    if '.' in name:  # a method added to another module's class
+        cls, attr = name.split('.')
+        return method(name, vars(getattr(module, cls))[attr], options, link)
+    obj = getattr(module, name)
+    if not (inspect.isroutine(obj) or inspect.isclass(obj)):  # a constant, or a type alias (`Callable[[float], float]`)
         value = readable(obj)
         # a set's order changes from run to run (string hashing is salted), so it is not shown
         shown = len(value) <= 80 and not isinstance(obj, (set, frozenset))
         options += [f':type: {type(obj).__name__}'] + ([f':value: {value}'] if shown else [])
         return _directive('data', name, '\n\n'.join(filter(None, [_constant_comment(module, name), link])), options)
-    doc, params = inspect.getdoc(obj) or '', docments(obj, full=True)
-    returns = params.pop('return', {}).get('docment')
-    fields = [f':param {param}: {info["docment"]}' for param, info in params.items()
-              if param != 'self' and info['docment']] + ([f':returns: {returns}'] if returns else [])
+    doc, fields, members = docstring(obj), _fields(obj), []
     kind = 'function'
     if inspect.isclass(obj):
         kind = 'exception' if issubclass(obj, BaseException) else 'class'
         bases = [b.__name__ for b in obj.__bases__ if b is not object]
         if bases: doc = f"Bases: {', '.join(f'`{b}`' for b in bases)}\n\n{doc}"
-    body = '\n\n'.join(filter(None, [doc, '\n'.join(fields), link]))
+        if obj.__module__ == module.__name__: members = [method(*item) for item in methods(obj, module)]
+    body = '\n\n'.join(filter(None, [doc, '\n'.join(fields), link, *members]))
     return _directive(kind, f'{name}{signature(obj)}', body, options)
 
 
 def module_section(module, where, titles):
     summary = (inspect.getdoc(module) or '').split('\n\n')[0]
     head = [f'### {module.__name__}', '', summary, '', f'Notebook: {_notebook_link(module, titles)}', '']
-    return '\n'.join(head + [document(module, name, where, titles) for name in module.__all__])
+    return '\n'.join(head + [document(module, name, where, titles) for name in public_names(module)])
 
 
 def api_page(titles):

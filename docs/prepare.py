@@ -1,6 +1,8 @@
 """Writes the site's sources into docs/_build/src: the course notebooks with nbdev's cell directives turned into
-myst-nb cell tags, the home page's table of contents, the API reference page; and fetches the widget manager and
-MathJax once (npm), so that the site's pages need no network.
+myst-nb cell tags (an exercise's `#| solution` cell hidden behind a toggle) and the names of the API in their prose
+linked to its reference, the home page with its table of contents and the developers' page, the API reference page;
+the API's names for the site's configuration (links from code, the search's ranking); and fetches the widget manager
+and MathJax once (npm), so that the site's pages need no network.
 
 Only files whose content changed are rewritten, so Sphinx re-reads (and jupyter-cache re-runs) only those.
 
@@ -10,6 +12,7 @@ notebook that way (in parallel with the other tests), and the site build then fi
 import fcntl
 import hashlib
 import importlib.metadata
+import json
 import os
 import re
 import shutil
@@ -30,11 +33,14 @@ from nbdev.config import get_config
 import api
 import conf
 
-ROOT = Path(__file__).resolve().parents[1]
+DOCS = Path(__file__).resolve().parent
+ROOT = DOCS.parent
 NBS = ROOT / 'nbs'
-BUILD = ROOT / 'docs' / '_build'
+BUILD = DOCS / '_build'
 SRC = BUILD / 'src'
 STATIC = BUILD / 'static'
+# Pages of the site that are not notebooks, by their path in the repository (the home page links to them so).
+PAGES = {'docs/developers.md': 'developers.md'}
 CACHE = Path(conf.nb_execution_cache_path)
 LOCKS = BUILD / 'locks'
 # The html-manager 1.x line renders ipywidgets 8 state; both packages are pinned so the site does not change by itself.
@@ -45,6 +51,8 @@ NPM_PACKAGES = {'widgets': ('@jupyter-widgets/html-manager@1.0.15', ['dist/embed
                                               'es5/output/chtml/fonts/woff-v2/*', 'es5/ui/*.js', 'es5/a11y/*.js'])}
 
 _DIRECTIVE = re.compile(r'^\s*#\|\s*([\w-]+)\s*:?\s*(.*?)\s*$')
+# A solution cell's toggle (myst-nb's `hide-cell`: the code runs, its source and output stay closed until opened).
+SOLUTION_PROMPTS = {'code_prompt_show': 'Show the solution', 'code_prompt_hide': 'Hide the solution'}
 _WHY_NOT_RUN = {'cuda': 'it needs a CUDA GPU', 'browser': 'it needs a browser', 'notest': 'it is left out of the notebook tests'}
 
 
@@ -69,6 +77,7 @@ def tags_for(directives, skipped):
     if skipped or directives.get('eval') == 'false': tags.append('skip-execution')
     if directives.get('echo') == 'false': tags.append('remove-input')
     if directives.get('output') == 'false': tags.append('remove-output')
+    if 'solution' in directives: tags.append('hide-cell')
     return tags
 
 
@@ -82,6 +91,7 @@ def process_cell(cell, flags):
     cell.outputs, cell.execution_count = [], None
     tags = list(dict.fromkeys(cell.metadata.get('tags', []) + tags_for(directives, skipped)))
     if tags: cell.metadata['tags'] = tags
+    if 'hide-cell' in tags: cell.metadata.setdefault('mystnb', {}).update(SOLUTION_PROMPTS)
 
 
 def target_cell(cell_id, labels):
@@ -113,12 +123,40 @@ def version_cell(version):
     return cell
 
 
-def process(nb, flags, targets):
+# What a markdown cell's text keeps as it is: fenced blocks, headings, HTML blocks (up to the next blank line: their
+# text is not markdown), links (a link inside a link does not work), math and double-backtick code; then inline code,
+# which may name the API.
+_KEPT = (r'^(?:```|~~~).*?^(?:```|~~~)[ \t]*$|^#.*?$|^<.*?(?=\n[ \t]*\n|\Z)|\[[^\]\n]*\]\([^)\n]*\)|\$\$.*?\$\$'
+         r'|\$[^$\n]+\$|``[^`\n]+``|<[^>\n]+>')
+_MARKDOWN_PARTS = re.compile(rf'(?P<kept>{_KEPT})|`(?P<code>[^`\n]+)`', re.MULTILINE | re.DOTALL)
+_CODE_NAME = re.compile(r'(?:(?P<owner>\w+)\.)?(?P<name>\w+)(?:\(\))?')
+
+
+def api_target(code, names):
+    """The API page's object id for inline code that names a public name (`lr_find`, `learn.lr_find()`,
+    `Recorder.plot_loss`), or None."""
+    if not (m := _CODE_NAME.fullmatch(code)): return None
+    owner = 'Learner' if m['owner'] == 'learn' else m['owner']
+    name = f"{owner}.{m['name']}" if owner else m['name']
+    return names[name][1] if name in names else None
+
+
+def link_api_names(text, names):
+    "Markdown with each inline code that names a public name (`names`: api.api_names) made a link to its API entry."
+    def link(m):
+        target = m['code'] and api_target(m['code'], names)
+        return f"{{py:obj}}`{m['code']} <{target}>`" if target else m[0]
+    return _MARKDOWN_PARTS.sub(link, text)
+
+
+def process(nb, flags, targets, names=None):
+    "The site's copy of a notebook: cell tags for nbdev's directives, API targets, and the prose's links to the API."
     cells = []
     for cell in nb.cells:
         if cell.cell_type == 'code':
             process_cell(cell, flags)
             if cell.get('id') in targets: cells.append(target_cell(cell.id, targets[cell.id]))
+        elif cell.cell_type == 'markdown' and names: cell.source = link_api_names(cell.source, names)
         cells.append(cell)
     nb.cells = cells
     return nb
@@ -142,7 +180,38 @@ def contents(course, designs):
     toctree = lambda caption, docs: '\n'.join(['```{toctree}', ':hidden:', ':maxdepth: 2', f':caption: {caption}',
                                                 '', *docs, '```'])
     return '\n\n'.join([toctree('Course', course), toctree('Appendix: historical designs', designs),
-                        toctree('Reference', ['api'])])
+                        toctree('Reference', ['api', Path(PAGES['docs/developers.md']).stem])])
+
+
+_REPOSITORY_LINK = re.compile(r'\]\((nbs/[\w-]+\.ipynb|docs/[\w-]+\.md)(#[^)\s]*)?\)')
+
+
+def site_links(text):
+    "The home page's links, written from the repository's root as README.md reads them, made links between pages."
+    def page(m):
+        path, anchor = m[1], m[2] or ''
+        return f"]({PAGES.get(path, path.removeprefix('nbs/'))}{anchor})"
+    return _REPOSITORY_LINK.sub(page, text)
+
+
+def home_page(nb, contents_cell):
+    "The home page: README.md's notebook with its links made the site's, and the site's tables of contents."
+    for cell in nb.cells:
+        if cell.cell_type == 'markdown': cell.source = site_links(cell.source)
+    nb.cells.append(contents_cell)
+    return nb
+
+
+def write_site_names(names, names_on, where):
+    """The API's names for docs/conf.py, which links them in the pages' code, and the search's scorer, which ranks an
+    exact name's definition first: its API entry, then the notebook that explains it."""
+    pages = {f'{module}.{name}': stem for (module, name), (stem, _) in where.items()}
+    # a method of a class is explained with its class
+    explained_in = lambda id: pages.get(id) or pages.get(id.rpartition('.')[0])
+    write_if_changed(conf.API_NAMES, json.dumps({'names': names, 'names_on': names_on}, indent=1, sort_keys=True))
+    ranking = {name: [id, explained_in(id)] for name, (_, id) in names.items()}
+    scorer = (DOCS / '_static' / 'search-scorer.js').read_text()
+    write_if_changed(conf.SEARCH_SCORER, f'const TEACHLOOP_API = {json.dumps(ranking, sort_keys=True)};\n' + scorer)
 
 
 def write_if_changed(path, text):
@@ -193,23 +262,30 @@ def write_sources():
 def _write_sources():
     SRC.mkdir(parents=True, exist_ok=True)
     flags, (toolkit, designs) = test_flags(), api.course_modules()
+    where = api.definitions(toolkit + designs)
     targets = {}
-    for (module, name), (stem, cell_id) in api.definitions(toolkit + designs).items():
+    for (module, name), (stem, cell_id) in where.items():
         targets.setdefault(stem, {}).setdefault(cell_id, []).append(api.label(module, name))
+    names = api.api_names(toolkit)
+    # an appendix's own names come first on its page (its `Callback` is not the Learner's)
+    names_on = {api.source_notebook(m): {**names, **api.api_names([m])} for m in designs}
     notebooks = {path.stem: nbformat.read(path, as_version=4) for path in sorted(NBS.glob('*.ipynb'))}
     home = notebooks.pop('index')
-    written = {'index.ipynb', 'api.md'}
+    # before the directives are taken out of the cells
+    course = [stem for stem, nb in notebooks.items() if not is_design(nb)]
+    written = {'index.ipynb', 'api.md', *PAGES.values()}
     version = version_cell(library_version())
     for stem, nb in notebooks.items():
         written.add(f'{stem}.ipynb')
-        nb = process(nb, flags, targets.get(stem, {}))
+        nb = process(nb, flags, targets.get(stem, {}), names_on.get(stem, names))
         nb.cells.insert(0, version)
         write_if_changed(SRC / f'{stem}.ipynb', nbformat.writes(nb))
-    course = [stem for stem, nb in notebooks.items() if not is_design(nb)]
-    home.cells.append(nbformat.v4.new_markdown_cell(contents(course, [s for s in notebooks if s not in course]),
-                                                     id='site-contents'))
-    write_if_changed(SRC / 'index.ipynb', nbformat.writes(process(home, flags, {})))
+    listing = nbformat.v4.new_markdown_cell(contents(course, [s for s in notebooks if s not in course]),
+                                            id='site-contents')
+    write_if_changed(SRC / 'index.ipynb', nbformat.writes(process(home_page(home, listing), flags, {}, names)))
+    for path, page in PAGES.items(): write_if_changed(SRC / page, (ROOT / path).read_text())
     write_if_changed(SRC / 'api.md', api.api_page({stem: title(nb) for stem, nb in notebooks.items()}))
+    write_site_names(names, names_on, where)
     for stale in set(p.name for p in SRC.iterdir() if not p.name.startswith('.')) - written: (SRC / stale).unlink()
     # Sphinx's parallel readers would each create the cache's database, and all but one fail.
     cache = get_cache(CACHE)

@@ -33,9 +33,7 @@ pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(1800)]
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOK = ROOT / 'tests' / 'browser' / 'dashboard_fit.ipynb'
 ARTIFACTS = ROOT / 'artifacts'
-CHROMIUM = shutil.which('chromium') or '/usr/bin/chromium'
-CHROMIUM_ARGS = ['--no-sandbox', '--disable-gpu', '--disable-background-networking', '--disable-component-update',
-                 '--disable-sync', '--no-first-run', '--disable-quic']
+from chromium import CHROMIUM, CHROMIUM_ARGS, need_chromium  # noqa: E402
 # How long any one wait may take before the test calls it a hang: a safety net, not a measure of speed. A step takes
 # seconds on a quiet machine and a few times that beside other work.
 PATIENCE = 300
@@ -97,7 +95,7 @@ def server_ready(url, process):
 def jupyter(request, tmp_path):
     "A Jupyter front end on a free localhost port, serving a copy of the test notebook; always shut down afterwards."
     front_end = FRONT_ENDS[request.param]
-    if not os.path.exists(CHROMIUM): pytest.skip("chromium is not installed (`make browser-deps` installs it as root)")
+    need_chromium()
     pytest.importorskip('playwright.sync_api', reason="the playwright package is not installed")
     jupyter = Path(sys.executable).parent / 'jupyter'
     if not jupyter.exists(): pytest.skip(f"no jupyter next to {sys.executable}")

@@ -11,7 +11,7 @@ import pytest
 from matplotlib.figure import Figure
 
 from teachloop.figures import FigureWidget, float_slider, palette_png, slider_frames
-from test_dashboard_browser import CHROMIUM, CHROMIUM_ARGS
+from chromium import need_chromium, watched_page
 
 
 def wave(freq, phase):
@@ -118,21 +118,9 @@ def test_a_widgets_grid_is_checked_before_a_frame_is_drawn():
 @pytest.fixture(scope='module')
 def chromium_page():
     "A headless Chromium page that records page errors, console errors and any request for something not on disk."
-    if not os.path.exists(CHROMIUM): pytest.skip("chromium is not installed (`make browser-deps` installs it as root)")
-    sync_api = pytest.importorskip('playwright.sync_api', reason="the playwright package is not installed")
-    with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        context = browser.new_context(viewport={'width': 900, 'height': 900})
-        problems = []
-        def outside(route):
-            problems.append(f"request leaving the page: {route.request.url}")
-            route.abort()
-        context.route(lambda url: not url.startswith(('file:', 'data:')), outside)
-        page = context.new_page()
-        page.on('console', lambda msg: msg.type == 'error' and problems.append(f"console: {msg.text}"))
-        page.on('pageerror', lambda error: problems.append(f"page error: {error}"))
-        try: yield page, problems
-        finally: browser.close()
+    need_chromium()
+    pytest.importorskip('playwright.sync_api', reason="the playwright package is not installed")
+    with watched_page(('file:', 'data:'), viewport=(900, 900), http_errors=False) as found: yield found
 
 
 def shown(block):

@@ -24,7 +24,9 @@ _plain_names = {'lr': 'lr', 'wd': 'weight_decay', 'eps': 'eps'}
 
 def torch_location(group, name):
     "Where teachloop's hyper-parameter `name` is in a torch param group: `(key, index or None)`, or `None`."
-    if name in _plain_names: return (_plain_names[name], None) if _plain_names[name] in group else None
+    if name in _plain_names:  # where the value is one number: Adafactor's `eps` is a pair, (None, 1e-3) by default
+        key = _plain_names[name]
+        return (key, None) if key in group and not isinstance(group[key], (tuple, list)) else None
     if name == 'mom':
         if 'momentum' in group: return ('momentum', None)
         if 'betas' in group: return ('betas', 0)
@@ -179,4 +181,4 @@ declare_optimizer(OptimWrapper, [dict(opt=torch.optim.AdamW, lr=1e-2, weight_dec
                                  dict(opt=torch.optim.SGD, lr=0.05, momentum=0.9, nesterov=True),
                                  dict(opt=torch.optim.RMSprop, lr=1e-2, momentum=0.5),
                                  dict(opt=torch.optim.Adafactor, lr=1e-2)],
-                  make=_wrapped_torch, reference=_torch_itself)
+                  make=_wrapped_torch, reference=_torch_itself);

@@ -101,6 +101,14 @@ def test_optim_wrapper_names(cls, kwargs, expected):
     assert wrapper.hypers == [expected]
 
 
+def test_a_hyper_parameter_that_is_a_pair_in_torch_is_neither_read_nor_written_as_one_number():
+    "Adafactor's `eps` is (None, 1e-3): a schedule writing one number there would break the optimizer's next step."
+    wrapper = OptimWrapper(digits_cnn().parameters(), opt=torch.optim.Adafactor, lr=0.01)
+    assert 'eps' not in wrapper.hypers[0] and {'lr', 'wd'} <= set(wrapper.hypers[0])
+    with pytest.raises((ValueError, KeyError)): wrapper.set_hyper('eps', 1e-8)
+    assert wrapper.opt.param_groups[0]['eps'] == (None, 1e-3)
+
+
 def test_optim_wrapper_set_hyper_writes_torch_names():
     model = digits_cnn()
     wrapper = OptimWrapper(split_at(model, 2), opt=torch.optim.Adam, betas=(0.9, 0.99))

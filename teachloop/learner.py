@@ -6,12 +6,13 @@
 from __future__ import annotations
 
 import difflib
+import itertools
 import os
 import re
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any
 
@@ -21,18 +22,21 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core import InterruptGate, atomic_save, check_count, check_save_path
+from .core import InterruptGate, atomic_save, check_count, check_save_path, process_count, process_rank
 from .data import DataLoaders
 from .optim.core import Adam, HyperValue, Optimizer, check_hyper
+from .random_state import (loader_generators, rng_readers, rng_states, same_state, saveable_rng,
+                                    set_rng_states, set_seed)
 
 # %% auto #0
-__all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'Splitter', 'LOSS_ACTIVATIONS',
+__all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'ONE_PROCESS', 'Splitter', 'LOSS_ACTIVATIONS',
            'REGRESSION_LOSSES', 'COMPILED_PREFIX', 'CancelBatchException', 'CancelBackwardException',
            'CancelStepException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
            'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'set_optimizer_mode',
-           'TrainEvalCallback', 'add_default_callbacks', 'OneProcess', 'default_splitter', 'Learner', 'callback_list',
-           'GatherPreds', 'softmax_over_classes', 'most_probable_class', 'above_half', 'activation_known',
-           'loss_activation', 'loss_decodes', 'check_fit_args', 'state_for', 'check_state_matches',
+           'TrainEvalCallback', 'add_default_callbacks', 'OneProcess', 'FitState', 'TrainingStep', 'StepSetting',
+           'default_splitter', 'Learner', 'callback_list', 'GatherPreds', 'softmax_over_classes', 'most_probable_class',
+           'above_half', 'activation_known', 'loss_activation', 'loss_decodes', 'clip_gradients', 'loader_length',
+           'SkipBatches', 'epoch_seeded', 'HyperParameterClash', 'check_fit_args', 'state_for', 'check_state_matches',
            'optimizer_with_state', 'restore_training_state', 'EventLog']
 
 # %% ../nbs/04_learner.ipynb #c004
@@ -120,21 +124,41 @@ class Callback:
     def __setattr__(self, attr, value):
         learn = self.__dict__.get('learn')
         if (learn is not None and attr not in self.__dict__ and not hasattr(type(self), attr)
-                and attr in learn.__dict__):
+                and (attr in learn.__dict__ or attr in FitState.POSITION)):
             warnings.warn(f"{type(self).__name__} sets `self.{attr}`, which creates an attribute on the callback and "
                           f"does not change `learn.{attr}`. Write `self.learn.{attr} = ...` to change the learner.",
                           stacklevel=2)
         object.__setattr__(self, attr, value)
 
-    def caught_up(self, epochs_done: int) -> bool:
-        "Whether it has seen the end of `epochs_done` epochs; a callback that counts them says when not (see checkpoints)."
-        return True
-
-    def quieten(self) -> Callable[[], None] | None:
-        "Stop showing or writing what is for the reader (in a process other than the first); return what undoes it, if anything."
-        return None
-
     def __repr__(self): return f"{type(self).__name__}()"
+
+# %% ../nbs/04_learner.ipynb #c008p
+@patch
+def hypers_written(self:Callback) -> dict[str, str]:
+    "The hyper-parameters it sets during a fit, each with when it sets it (`{'lr': 'every batch'}`); none by default."
+    return {}
+
+@patch
+def check_fit(self:Callback) -> None:
+    "Refuse, by raising, a fit it cannot take part in: called once the optimizer exists, before anything changes."
+
+@patch
+def state_dict(self:Callback) -> dict | None:
+    "What a fit resumed from a checkpoint needs of it, or None when it keeps nothing across batches."
+    return None
+
+@patch
+def load_state_dict(self:Callback, state: dict) -> None:
+    "Take back what `state_dict` gave, as a resumed fit starts."
+
+@patch
+def check_state_dict(self:Callback, state: dict) -> None:
+    "Refuse, by raising, a saved state it cannot go on from, before any state is loaded."
+
+@patch
+def quieten(self:Callback) -> Callable[[], None] | None:
+    "Stop showing or writing what is for the reader (in a process other than the first); return what undoes it, if anything."
+    return None
 
 # %% ../nbs/04_learner.ipynb #c013
 def set_optimizer_mode(opt, training):
@@ -143,21 +167,14 @@ def set_optimizer_mode(opt, training):
     if callable(switch): switch()
 
 class TrainEvalCallback(Callback):
-    "Put the model (and an optimizer with modes) in train or eval mode for each phase and count training progress."
+    "Put the model (and an optimizer with modes) in train or eval mode for each phase."
     order = -10
-    def before_fit(self):
-        self.learn.train_iter, self.learn.pct_train = 0, 0.
     def before_train(self):
         self.model.train()
         set_optimizer_mode(self.opt, True)
     def before_validate(self):
         self.model.eval()
         set_optimizer_mode(self.opt, False)
-    def after_batch(self):
-        learn = self.learn  # read directly: this runs every batch, and falling through to the learner costs a little
-        if not learn.training: return
-        learn.train_iter += 1
-        learn.pct_train = learn.train_iter / max(learn.n_iter * learn.n_epoch, 1)
 
 # What every new learner gets unless `default_cbs=False`: one callable per callback (a class, usually).
 # Later notebooks add theirs (the callbacks notebook adds the device, recorder and progress callbacks).
@@ -168,13 +185,123 @@ def add_default_callbacks(*makes):
     for make in makes:  # by name: running a notebook's cell again defines the class again
         DEFAULT_CALLBACKS[:] = [m for m in DEFAULT_CALLBACKS if m.__name__ != make.__name__] + [make]
 
-
 # %% ../nbs/04_learner.ipynb #c013q
 class OneProcess:
     "How a fit's callbacks combine values with other processes that train the same model (`learn.processes`): there are none."
     several = False
     def sum(self, tensor): return tensor
     def any(self, flag): return bool(flag)
+    def gather(self, value): return [value]
+
+ONE_PROCESS = OneProcess()
+
+# %% ../nbs/04_learner.ipynb #fs02
+class FitState:
+    "Where a fit is: the epoch, the batch, the training batches done, the share of the fit they are, and the phase."
+    POSITION = ('n_epoch', 'epoch', 'start_epoch', 'n_iter', 'iter', 'train_iter', 'pct_train', 'training')
+
+    def __init__(self):
+        self.n_epoch = self.epoch = self.start_epoch = self.epochs_done = self.n_iter = self.iter = self.train_iter = 0
+        self.pct_train, self.training, self.phase, self.fitting = 0., False, None, False
+        self.batches_done, self.stop_requested = 0, False  # training batches done in this epoch; a stop asked for
+        self.interrupted_by, self._seeded = None, None  # what ended the last fit; a loader rebuilt for it (below)
+        self._reset_notes()  # what a resumed fit needs: under the hood, at the end
+
+    def start_fit(self, n_epoch):
+        "A fit of `n_epoch` epochs begins at its start (a resumed fit then moves to where its checkpoint was)."
+        self.n_epoch, self.start_epoch, self.epochs_done, self.train_iter, self.pct_train = n_epoch, 0, 0, 0, 0.
+        self.epoch, self.stop_requested, self.phase, self.fitting, self.interrupted_by = 0, False, None, True, None
+        self._reset_notes()
+
+    def start_phase(self, training, n_iter, skipped=0):
+        "A training or validation phase of `n_iter` batches (None: a loader with no length) begins, `skipped` of them done."
+        self.training, self.n_iter, self.iter = training, n_iter or 0, skipped
+        if not self.fitting: return  # a validation or predictions outside a fit: the fit's position stays
+        self.phase = 'train' if training else 'valid'
+        if training: self.batches_done = skipped
+
+    def batch_done(self):
+        "A training batch is over: it counts, and the share of the fit done moves on."
+        self.train_iter += 1
+        self.batches_done += 1
+        if self.n_iter: self.pct_train = self.train_iter / (self.n_iter * self.n_epoch)
+        self._note_boundary()  # what the next batch starts from, for a resume: under the hood
+
+# %% ../nbs/04_learner.ipynb #st02
+class TrainingStep:
+    "One optimizer step as a transaction: each batch's forward, loss and backward, then check, clip and step, or nothing."
+    def __init__(self):
+        self.configure(())
+        self.start_fit()  # nothing set aside yet (under the hood: the gradients of a step's earlier batches)
+
+    def configure(self, cbs):
+        "The plain step, with the parts that the `StepSetting` callbacks among `cbs` set (refused if two set one part)."
+        self.precision = self.check = self.parallel = None  # mixed precision, NaN capture, several processes
+        self.n_acc, self.max_norm, self.norm_type = None, None, 2.  # samples a step; clipping of the gradients' norm
+        self.snapshot = False  # keep each training batch's BatchNorm statistics at its start (see under the hood)
+        setters = {}
+        for cb in cbs:
+            if not isinstance(cb, StepSetting): continue
+            for part in cb.parts:
+                if part in setters:
+                    raise ValueError(f"{setters[part]!r} and {cb!r} both set the training step's `{part}`: keep one")
+                setters[part] = cb
+            cb.apply_to(self)
+
+    def forward(self, model, xb, training):
+        "The model's output; a training batch goes through the processes' wrapper when several train together."
+        module = self.parallel.module if training and self.parallel is not None else model
+        return module(*xb)
+
+    def plan(self, n_samples, last_of_epoch):
+        "A training batch of `n_samples` (in each process) counts towards the step: whether it ends it (`due`)."
+        self.due = self._ends_step(n_samples, last_of_epoch)
+
+    def backward(self, opt, loss):
+        "Backpropagate the batch's share of the step's loss; several processes sum their gradients at the step's last batch."
+        if self.n_acc is not None: loss = loss * (self._batch_samples / self.n_acc)  # its share of one big batch
+        if self.precision is not None: loss = self.precision.scale(loss)
+        with self._gradient_sync(opt): loss.backward()
+        self._backed = True
+
+# %% ../nbs/04_learner.ipynb #st02b
+@patch
+def gradients_ready(self:TrainingStep, opt):
+    "Whether this batch ends a step; if so the step's gradients are made whole: added up, averaged, unscaled."
+    if not self.due: return False
+    self._add_kept(opt)
+    self._average_short_step(opt)
+    if self.precision is not None: self.precision.unscale(opt)
+    return True
+
+@patch
+def apply(self:TrainingStep, opt, model):
+    "Skip the step when its gradients are not finite; else clip them and step."
+    if self.precision is not None and self.precision.skips(opt): return
+    if self.check is not None: self.check.check(opt)
+    if self.max_norm is not None: clip_gradients(model, self.max_norm, self.norm_type)
+    opt.step()
+    self.took_step = True  # until the next batch: the weights are a step ahead of the batch's start
+    for part in (self.precision, self.check):
+        if part is not None: part.stepped()
+
+@patch
+def end_batch(self:TrainingStep, opt, outcome):
+    "After a batch `outcome` 'done', 'cancelled' or 'failed': the step ends, or the batch's gradients wait for its next batch."
+    if self.precision is not None: self.precision.end_batch()
+    if outcome != 'failed' and self.due: self.kept, self.samples = None, 0  # the step is over: taken, skipped or dropped
+    elif outcome == 'done' and self._backed: self._set_aside(opt)  # checked first, when a NaN check is on
+    opt.zero_grad()  # also a batch cancelled or failed: its gradients never count (the step's earlier ones stay aside)
+    self.due = self._backed = self._kept_added = False
+
+# %% ../nbs/04_learner.ipynb #st03
+class StepSetting(Callback):
+    "A callback that sets parts of the training step (`learn.step`) for the fits it takes part in; the step runs them."
+    parts = ()  # the names of the step's attributes it sets
+
+    def apply_to(self, step: TrainingStep) -> None:
+        "Set this callback's parts of `step`."
+        raise NotImplementedError(f"{type(self).__name__} must say how it sets {self.parts} of the step")
 
 # %% ../nbs/04_learner.ipynb #c015
 # What a splitter returns: the model's parameters in groups, each group with hyper-parameters of its own
@@ -235,10 +362,9 @@ class Learner:
         self.lr, self.wd, self.moms, self.splitter, self.n_inp = lr, wd, moms, splitter, n_inp
         self.wd_bn_bias, self.train_bn, self.metrics = wd_bn_bias, train_bn, list(metrics or [])
         self.opt, self.dl, self.xb, self.yb, self.pred, self.loss, self.loss_grad = None, None, (), (), None, None, None
-        self.n_epoch = self.n_iter = self.epoch = self.iter = self.train_iter = self.start_epoch = 0
-        self.pct_train, self.training = 0., False
+        self.fit_state, self.step = FitState(), TrainingStep()  # where the fit is; what a training step does
         self.cbs, self._event_tables, self._events = [], ({}, {}), {}
-        self._init_engine()  # the interrupt gate, several processes, a wrapped model: under the hood, below
+        self._init_engine()  # the interrupt gate, the thread that owns the learner: under the hood, below
         self.add_cbs([make() for make in DEFAULT_CALLBACKS] if default_cbs else [TrainEvalCallback()])
         self.add_cbs(cbs or [])
         self('after_create')
@@ -247,10 +373,25 @@ class Learner:
     def x(self) -> Any: return self.xb[0]
     @property
     def y(self) -> Any: return self.yb[0] if self.yb else None  # None: a batch of inputs only
-
     def __getattr__(self, attr: str) -> Any: return _callback_named(self, attr)  # `learn.recorder`: see below
     def __repr__(self):
         return f"Learner(model={type(self.model).__name__}, cbs=[{', '.join(type(c).__name__ for c in self.cbs)}])"
+
+# %% ../nbs/04_learner.ipynb #c016p
+def _position(name):
+    "The learner's attribute `name` of its fit's position, read from (and written to) `fit_state`."
+    return property(lambda learn: getattr(learn.fit_state, name), lambda learn, v: setattr(learn.fit_state, name, v),
+                    doc=f"`learn.fit_state.{name}`")
+
+for _name in FitState.POSITION: setattr(Learner, _name, _position(_name))
+
+@patch(as_prop=True)
+def processes(self:Learner) -> Any:
+    "How callbacks combine a value with the other processes training with this one (see above): the step's."
+    return self.step.parallel.processes if self.step.parallel is not None else ONE_PROCESS
+
+@patch
+def __dir__(self:Learner): return list(object.__dir__(self)) + [cb.name for cb in self.__dict__.get('cbs', ())]
 
 # %% ../nbs/04_learner.ipynb #c016b
 # `Learner.__getattr__` returns Any, not a Callback: a type checker finds there the methods that later modules add
@@ -314,6 +455,7 @@ def added_cbs(self:Learner, cbs: Iterable[Callback] | None) -> Iterator[list[Cal
 def __call__(self:Learner, event: str) -> None:
     "Run the handlers of `event`."
     for handler in self._events[event]:
+        self._running = handler  # who writes a hyper-parameter, should one be written now (under the hood)
         try: handler()
         except CANCEL_EXCEPTIONS: raise
         except Exception as e:
@@ -333,43 +475,51 @@ def _cancelled_too_late(exc, event):
                         "(e.g. CancelBatchException in `after_step`, CancelEpochException in `after_train`)")
 
 @patch
-def _with_events(self:Learner, body, name, cancel_exception):
-    "Fire `before_<name>`, run `body`; on `cancel_exception` fire `after_cancel_<name>`; then fire `after_<name>`."
+def _with_events(self:Learner, body, name, cancel_exception, done=None):
+    "Fire `before_<name>`, run `body`; on `cancel_exception` fire `after_cancel_<name>`; call `done()`; fire `after_<name>`."
     try:
         self(f'before_{name}')
         body()
     except cancel_exception:
         try: self(f'after_cancel_{name}')
         except cancel_exception as e: raise _cancelled_too_late(e, f'after_cancel_{name}') from None
+    if done is not None: done()
     # Raised after its part, nothing would catch it: it would end the whole fit as a bare exception with no message.
     try: self(f'after_{name}')
     except cancel_exception as e: raise _cancelled_too_late(e, f'after_{name}') from None
 
-
 # %% ../nbs/04_learner.ipynb #c023
 @patch
 def _do_one_batch(self:Learner):
-    self.pred = self._forward()
-    self('after_pred')
-    if not self.yb: return  # a batch of inputs only (predictions, below): no loss, no `after_loss`
-    self.loss_grad = self._compute_loss()
-    self.loss = self.loss_grad.detach().clone()
-    self('after_loss')
-    if not self.training: return
-    keep = False
-    try:
-        self._with_events(self.loss_grad.backward, 'backward', CancelBackwardException)
-        self._with_events(self._step, 'step', CancelStepException)
-        keep = self.keep_grads
-    finally:
-        # also when the batch is cancelled after backward, or fails: its gradients must not reach the next step
-        if not keep: self.opt.zero_grad()
-        self.keep_grads = False
+    step = self.step
+    if self.training: step.begin_batch(self)
+    with step.autocast():
+        self.pred = self._forward()  # the step's forward, with a note on a device mismatch (under the hood)
+        self('after_pred')
+        if not self.yb: return  # a batch of inputs only (predictions, below): no loss, no `after_loss`
+        self.loss_grad = self._compute_loss()
+        self.loss = self.loss_grad.detach().clone()
+        self('after_loss')
+    if self.training: self._train_on_batch()
 
 @patch
-def _step(self:Learner):
-    self.interrupts.hold()  # released at the batch's end, in `_all_batches`
-    self.opt.step()
+def _train_on_batch(self:Learner):
+    step, outcome = self.step, 'failed'
+    step.plan(len(self.yb[0]), self.iter == self.n_iter - 1)
+    try:
+        self._with_events(self._backward, 'backward', CancelBackwardException)
+        if step.gradients_ready(self.opt): self._with_events(self._opt_step, 'step', CancelStepException)
+        outcome = 'done'
+    except CancelBatchException:
+        outcome = 'cancelled'
+        raise
+    finally: step.end_batch(self.opt, outcome)  # a batch cancelled or failed leaves no gradient behind
+
+@patch
+def _backward(self:Learner): self.step.backward(self.opt, self.loss_grad)
+
+@patch
+def _opt_step(self:Learner): self.step.apply(self.opt, self.model)
 
 # %% ../nbs/04_learner.ipynb #c023b
 @patch
@@ -379,25 +529,36 @@ def _split_batch(self:Learner, batch):
     self.xb, self.yb = tuple(batch[:n_inp]), tuple(batch[n_inp:])
 
 @patch
+def _one_batch(self:Learner, batch):
+    self.pred = self.loss = self.loss_grad = None  # a batch cancelled before its loss leaves no stale values
+    self._split_batch(batch)
+    done = self.fit_state.batch_done if self.training else None  # it counts before `after_batch`, cancelled or not
+    self._with_events(self._do_one_batch, 'batch', CancelBatchException, done=done)
+
+@patch
 def _all_batches(self:Learner):
     # A Ctrl-C during a training batch, its drawing from the loader included, waits for the batch's end: what is
     # saved then (random states too) is exactly what the next batch starts from.
-    if self.training: self.interrupts.hold()
+    fit_state, training = self.fit_state, self.training
+    if training: self.interrupts.hold()
     try:
-        for self.iter, batch in enumerate(self.dl, getattr(self.dl, 'skipped', 0)):
-            self.pred = self.loss = self.loss_grad = None  # a batch cancelled before its loss leaves no stale values
-            self._split_batch(batch)
-            try: self._with_events(self._do_one_batch, 'batch', CancelBatchException)
+        for self.iter, batch in enumerate(self.dl, self.iter):
+            if training:
+                fit_state.batch_drawn()
+                self.step.batch_drawn(self.model)
+            try:
+                self._one_batch(batch)
+                if self.step.stop_due(fit_state.stop_requested): raise CancelFitException()
             finally:
                 self.interrupts.release()  # raises a Ctrl-C held back during the batch, now that it is whole
-                if self.training: self.interrupts.hold()
+                if training: self.interrupts.hold()
     finally: self.interrupts.release()
 
 # %% ../nbs/04_learner.ipynb #c023c
 @patch
-def _set_phase(self:Learner, training, dl):
-    self.training, self.dl = training, dl
-    self.n_iter = len(dl) if hasattr(dl, '__len__') else 0
+def _set_phase(self:Learner, training, dl, skipped=0):
+    self.dl = dl
+    self.fit_state.start_phase(training, loader_length(dl), skipped)
     self._events = self._event_tables[training]
 
 @patch
@@ -407,7 +568,7 @@ def _do_validate(self:Learner, dl):
 
 @patch
 def _do_epoch(self:Learner):
-    self._set_phase(True, self.dls.train)
+    self._set_phase(True, *self.fit_state.training_loader(self.dls.train))  # a resumed epoch skips its batches done
     self._with_events(self._all_batches, 'train', CancelTrainException)
     if self.dls.valid is not None: self._do_validate(self.dls.valid)
 
@@ -416,7 +577,9 @@ def _do_fit(self:Learner):
     _exempt_norm_and_bias(self, self.opt)  # again after `before_fit`: a state loaded since may have changed it
     _warn_if_each_process_trains_alone(self)  # under torchrun but outside `learn.distributed()`: under the hood
     for self.epoch in range(self.start_epoch, self.n_epoch):
-        self._with_events(self._do_epoch, 'epoch', CancelEpochException)
+        try: self._with_events(self._do_epoch, 'epoch', CancelEpochException, done=self.fit_state.epoch_ending)
+        finally: self.fit_state.epoch_over()  # what waited for every callback to hear the epoch's end (checkpoints)
+        if self.step.stop_due(self.fit_state.stop_requested, epoch_end=True): raise CancelFitException()
 
 # %% ../nbs/04_learner.ipynb #c025
 def callback_list(cbs: Callback | Iterable[Callback] | None) -> list[Callback]:
@@ -438,7 +601,7 @@ def create_opt(self:Learner) -> None:
 @patch
 def fit(self:Learner,
         n_epoch: int,  # number of passes over the training data
-        lr: HyperValue | None = None,  # learning rate for this fit (number or slice); None keeps the optimizer's
+        lr: HyperValue | None = None,  # learning rate for this fit (number or slice); None: the learner's `lr`
         wd: HyperValue | None = None,  # weight decay for this fit; None keeps the optimizer's
         cbs: Callback | Iterable[Callback] | None = None,  # callbacks used for this fit only
         reset_opt: bool = False,  # create a fresh optimizer (forgetting its state) first
@@ -448,13 +611,18 @@ def fit(self:Learner,
 
     Args:
         n_epoch: number of passes over the training data
-        lr: learning rate for this fit (number or slice); None keeps the optimizer's
+        lr: learning rate for this fit (number or slice); None: the learner's `lr`
         wd: weight decay for this fit; None keeps the optimizer's
         cbs: callbacks used for this fit only
         reset_opt: create a fresh optimizer (forgetting its state) first
         resume: checkpoint to continue from (`teachloop.callback.checkpoint` adds this)
     """
     with self.exclusive('fit'): self._fit(n_epoch, lr, wd, callback_list(cbs), reset_opt, resume)
+
+@patch
+def stop(self:Learner) -> None:
+    "Stop the fit once the event under way is over (after this batch, or this epoch's end, as every callback heard it)."
+    self.fit_state.stop_requested = True
 
 # %% ../nbs/04_learner.ipynb #c025b
 @patch
@@ -465,32 +633,40 @@ def _fit(self:Learner, n_epoch, lr, wd, cbs, reset_opt, resume):
     with self.added_cbs(cbs):
         previous_opt = self.opt
         if self.opt is None or reset_opt: self.create_opt()
-        try: self._check_callbacks_fit()
+        try:
+            self.step.configure(self.cbs)  # its parts, from the callbacks that set them; two for one part are refused
+            self._check_callbacks_fit()
         except Exception:
             self.opt = previous_opt  # a refused fit leaves no optimizer of its own behind
             raise
-        if lr is not None: self.opt.set_hyper('lr', lr)
+        self.opt.set_hyper('lr', self.lr if lr is None else lr)  # as fastai: a fit without `lr` trains at the learner's
         if wd is not None: self.opt.set_hyper('wd', wd)
-        self.n_epoch, self.start_epoch = n_epoch, 0
+        self.fit_state.start_fit(n_epoch)
+        self.step.start_fit()
         try:
-            with self.interrupts.installed(): self._with_events(self._do_fit, 'fit', CancelFitException)
+            with self.interrupts.installed(), self._hyper_writes_watched():
+                self._with_events(self._do_fit, 'fit', CancelFitException)
+        except BaseException as e:
+            self.fit_state.interrupted_by = e  # what ended the fit, for its clean-up (a Ctrl-C or an error)
+            raise
         finally: self._cleanup()
 
 @patch
 def _check_callbacks_fit(self:Learner):
-    "Let each callback with a `check_fit` method refuse this fit, now that the optimizer exists and nothing has changed."
-    for cb in self.cbs:
-        if callable(getattr(type(cb), 'check_fit', None)): cb.check_fit()
+    "Let each callback refuse this fit in `check_fit`, now that the optimizer exists and nothing has changed."
+    for cb in self.cbs: cb.check_fit()
 
 @patch
 def _cleanup(self:Learner):
-    self._set_phase(False, self.dl)
+    self.fit_state.training, self._events = False, self._event_tables[False]
     self.model.eval()
-    if self.opt is not None: self.opt.zero_grad()
     # A fit ends with the weights to evaluate in the model; switched after `cleanup_fit`, so that the checkpoint of an
-    # interrupted fit keeps the training point it resumes from, exactly
+    # interrupted fit keeps the training point it resumes from, exactly (and the gradients a step set aside)
     try: self('cleanup_fit')
-    finally: set_optimizer_mode(self.opt, False)
+    finally:
+        self.fit_state.fitting = False
+        if self.opt is not None: self.opt.zero_grad()
+        set_optimizer_mode(self.opt, False)
 
 # %% ../nbs/04_learner.ipynb #c027
 class GatherPreds(Callback):
@@ -505,12 +681,17 @@ class GatherPreds(Callback):
         if self.with_input: self.inputs.append(self.xb)
 
 @patch
+def _evaluate(self:Learner, dl):
+    "The validation phase over `dl` (default: the validation set), outside a fit."
+    if dl is None and self.dls.valid is None: raise ValueError("there is no validation set: pass `dl`")
+    self.step.configure(self.cbs)  # mixed precision evaluates in it too
+    try: self._do_validate(dl if dl is not None else self.dls.valid)
+    finally: self._cleanup()
+
+@patch
 def validate(self:Learner, dl: Iterable | None = None) -> list[float]:
     "Loss and metrics on `dl` (default: the validation set), as a list of floats."
-    if dl is None and self.dls.valid is None: raise ValueError("there is no validation set: pass `dl`")
-    with self.exclusive('validate'):
-        try: self._do_validate(dl if dl is not None else self.dls.valid)
-        finally: self._cleanup()
+    with self.exclusive('validate'): self._evaluate(dl)
     return self.recorder.last_valid
 
 # %% ../nbs/04_learner.ipynb #c027a
@@ -568,11 +749,8 @@ def get_preds(self:Learner,
         with_decoded: return the decoded predictions too, last (`loss_decodes`)
         act: applied to the model's output; None: the loss's activation (`loss_activation`)
     """
-    if dl is None and self.dls.valid is None: raise ValueError("there is no validation set: pass `dl`")
     gather = GatherPreds(with_input)
-    with self.exclusive('get_preds'), self.added_cbs([gather]):
-        try: self._do_validate(dl if dl is not None else self.dls.valid)
-        finally: self._cleanup()
+    with self.exclusive('get_preds'), self.added_cbs([gather]): self._evaluate(dl)
     if act is None and not activation_known(self.loss_func): _warn_raw_outputs(self.loss_func)
     preds = (act or loss_activation(self.loss_func))(_gathered(gather.preds))  # `_gathered`: under the hood
     found = [_unpacked(_gathered(gather.inputs))] if with_input else []
@@ -624,6 +802,393 @@ def load(self:Learner, path: os.PathLike | str, with_opt: bool = True) -> Learne
         self.model.load_state_dict(state_for(self.model, obj['model']))
     return self
 
+# %% ../nbs/04_learner.ipynb #stu02
+def clip_gradients(model, max_norm, norm_type=2.):
+    "Scale the gradients of `model` so that their joint `norm_type`-norm is at most `max_norm`."
+    torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type, foreach=True)
+
+def _params(opt): return [p for group in opt.param_groups for p in group['params']]
+
+def _summed(kept, grad):
+    "`kept` plus `grad`, in place, on `grad`'s device (a resumed fit's set-aside gradients come from the CPU); None is 0."
+    if grad is None or kept is None: return grad if kept is None else kept
+    return kept.to(grad.device).add_(grad)
+
+@patch
+def _world(self:TrainingStep): return self.parallel.world_size if self.parallel is not None else 1
+
+@patch
+def _ends_step(self:TrainingStep, n_samples, last_of_epoch):
+    "Whether the batch of `n_samples` (in each process) ends the step."
+    self._batch_samples = n_samples * self._world()
+    return self.n_acc is None or last_of_epoch or self.samples + self._batch_samples >= self.n_acc
+
+@patch
+@contextmanager
+def _gradient_sync(self:TrainingStep, opt):
+    "The backward of a batch: with several processes, summed over them only at the step's last batch, set-aside ones included."
+    if self.parallel is None:
+        yield
+        return
+    if self.due and self.kept is not None: self._add_kept(opt)  # before the backward: the one sum over processes holds them
+    with self.parallel.gradient_sync(self.due): yield
+
+@patch
+@torch.no_grad()
+def _add_kept(self:TrainingStep, opt):
+    "Add the set-aside gradients to this batch's, once; they stay set aside until the step is over."
+    if self._kept_added or self.kept is None: return
+    self._kept_added = True
+    for p, grad in zip(_params(opt), self.kept):
+        if grad is None: continue
+        grad = grad.to(p.device)  # on the CPU when a resumed fit read them from its checkpoint
+        if p.grad is None: p.grad = grad.clone()
+        else: p.grad.add_(grad)
+
+@patch
+@torch.no_grad()
+def _average_short_step(self:TrainingStep, opt):
+    "A step of fewer samples than `n_acc` (the epoch's last) gets the mean gradient of the samples it has."
+    seen = self.samples + self._batch_samples
+    if self.n_acc is None or seen == self.n_acc: return
+    for p in _params(opt):
+        if p.grad is not None: p.grad.mul_(self.n_acc / seen)
+
+@patch
+def _set_aside(self:TrainingStep, opt):
+    "Take the batch's gradients out of `.grad` and add them to the step's earlier ones."
+    if self.check is not None: self.check.check_batch(opt)  # a NaN check sees each batch's own gradients
+    params = _params(opt)
+    grads = [p.grad for p in params]
+    for p in params: p.grad = None
+    self.kept = grads if self.kept is None else [_summed(kept, grad) for kept, grad in zip(self.kept, grads)]
+    self.samples += self._batch_samples
+
+@patch
+def start_fit(self:TrainingStep):
+    "A fit begins: nothing set aside from an earlier one."
+    self.kept, self.samples, self.due, self._backed, self._kept_added, self._stats = None, 0, False, False, False, None
+    self.took_step = False
+
+@patch
+def autocast(self:TrainingStep):
+    "The context of a batch's forward pass and loss: autocast when mixed precision is on."
+    return self.precision.autocast() if self.precision is not None else nullcontext()
+
+@patch
+def batch_drawn(self:TrainingStep, model):
+    "A training batch was drawn: no step taken in it yet, and its start's BatchNorm statistics are kept if asked."
+    self.took_step = False
+    if self.snapshot: self._keep_stats(model)
+
+@patch
+def begin_batch(self:TrainingStep, learn):
+    "A training batch begins its forward pass (its `before_batch` heard): a NaN check keeps what it needs of it."
+    if self.check is not None: self.check.begin_batch(learn)
+
+@patch
+def _keep_stats(self:TrainingStep, model):
+    "Copy the BatchNorm layers' running statistics (once a lazy layer has made its own, in its first forward)."
+    if self._stats is None:
+        buffers = [b for m in model.modules() if _tracks_running_stats(m) for b in m.buffers(recurse=False)]
+        if any(torch.nn.parameter.is_lazy(b) for b in buffers): return
+        self._stats = (buffers, [b.clone() for b in buffers])
+    if self._stats[0]: torch._foreach_copy_(self._stats[1], self._stats[0])
+
+@patch
+@torch.no_grad()
+def restore_batch_start(self:TrainingStep):
+    "Put back the BatchNorm statistics of the current training batch's start (its forward updated them)."
+    if self._stats is not None and self._stats[0]: torch._foreach_copy_(self._stats[0], self._stats[1])
+
+def _tracks_running_stats(module):
+    return isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.track_running_stats
+
+@patch
+def state_dict(self:TrainingStep):
+    "The gradients set aside by the step under way and their samples (a fit interrupted between two of its batches)."
+    return {'kept': self.kept, 'samples': self.samples}
+
+@patch
+def load_state_dict(self:TrainingStep, state):
+    "Go on with the step under way in `state`."
+    self.kept, self.samples = state['kept'], state['samples']
+
+@patch
+def stop_due(self:TrainingStep, requested, epoch_end=False):
+    "Whether the fit stops now, at a batch's or an epoch's end, `requested` here (several processes agree first)."
+    return self.parallel.stop_due(requested, epoch_end) if self.parallel is not None else requested
+
+@patch
+def defer_interrupt(self:TrainingStep, pending):
+    "Whether a Ctrl-C held during a batch waits for the other processes (True) instead of stopping this one now."
+    return self.parallel is not None and self.parallel.defer_interrupt(pending)
+
+# %% ../nbs/04_learner.ipynb #fsu02
+def loader_length(dl):
+    "The number of batches of `dl`, or None when it has none (a DataLoader over an `IterableDataset` without `__len__`)."
+    try: return len(dl)
+    except TypeError: return None
+
+class SkipBatches:
+    """A data loader's batches after its first `skipped`, which are drawn (so that the order stays the same) and dropped.
+
+    Args:
+        dl: the data loader
+        skipped: how many of its first batches to draw and drop
+        after_skipping: called once they are drawn, before the first batch is handed on
+
+    Args:
+        dl: the data loader
+        skipped: how many of its first batches to draw and drop
+        after_skipping: called once they are drawn, before the first batch is handed on
+    """
+    def __init__(self,
+                 dl,  # the data loader
+                 skipped:int,  # how many of its first batches to draw and drop
+                 after_skipping=None,  # called once they are drawn, before the first batch is handed on
+                ):
+        self.dl, self.skipped, self.after_skipping = dl, skipped, after_skipping
+    def __len__(self): return len(self.dl)
+    def __getattr__(self, attr):  # the loader's own attributes (its dataset, its sampler)
+        if attr.startswith('__') or 'dl' not in self.__dict__: raise AttributeError(attr)
+        return getattr(self.dl, attr)
+    def __iter__(self):
+        batches = iter(self.dl)
+        for _ in itertools.islice(batches, self.skipped): pass
+        if self.after_skipping is not None: self.after_skipping()
+        yield from batches
+
+# %% ../nbs/04_learner.ipynb #fsu02b
+class _EpochSeeded(torch.utils.data.Dataset):
+    "A data set whose item `(seed, i)` is item `i`, read by a worker that seeded its generators with `seed` when it changed."
+    def __init__(self, dataset): self.dataset, self._seed = dataset, None
+    def __len__(self): return len(self.dataset)
+    def __getitem__(self, key):
+        seed, index = key
+        if seed != self._seed:  # the epoch's first item in this worker: its streams start from the epoch's seed
+            self._seed = seed
+            worker = torch.utils.data.get_worker_info()
+            set_seed((seed + (worker.id if worker is not None else 0)) % 2**63)
+        return self.dataset[index]
+
+class _SeedTagged(torch.utils.data.Sampler):
+    "The items of `sampler`, each tagged with a seed drawn once per epoch from the loader's generator (or torch's)."
+    def __init__(self, sampler, generator): self.sampler, self.generator = sampler, generator
+    def __len__(self): return len(self.sampler)
+    def __iter__(self):
+        seed = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator))
+        return ((seed, i) for i in self.sampler)
+
+def epoch_seeded(dl):
+    "`dl` (a DataLoader with persistent workers) rebuilt so that its workers seed their generators anew at each epoch."
+    return torch.utils.data.DataLoader(
+        _EpochSeeded(dl.dataset), batch_size=dl.batch_size, sampler=_SeedTagged(dl.sampler, dl.generator),
+        num_workers=dl.num_workers, collate_fn=dl.collate_fn, pin_memory=dl.pin_memory, drop_last=dl.drop_last,
+        timeout=dl.timeout, worker_init_fn=dl.worker_init_fn, multiprocessing_context=dl.multiprocessing_context,
+        # the workers' first seed is drawn once, from a generator of its own: the loader's draws stay the same per epoch
+        generator=torch.Generator().manual_seed(0), prefetch_factor=dl.prefetch_factor, persistent_workers=True)
+
+def _keeps_worker_streams(dl):
+    "Whether `dl`'s workers live from one epoch to the next, with random streams that a checkpoint cannot save."
+    return (isinstance(dl, torch.utils.data.DataLoader) and dl.persistent_workers and dl.num_workers > 0
+            and dl.batch_size is not None and not isinstance(dl.dataset, torch.utils.data.IterableDataset))
+
+# %% ../nbs/04_learner.ipynb #fsu03
+@patch
+def training_loader(self:FitState, dl):
+    "The training loader of the epoch beginning now and the batches of it already done (a resumed epoch skips them)."
+    resumed, self._resume = self._resume, None
+    self._epoch_start = {'epoch': self.epoch, 'loader': [g.get_state() for g in loader_generators(dl)],
+                         'rng': rng_states()}
+    if _keeps_worker_streams(dl):  # persistent workers: their streams start from each epoch's seed (see above)
+        if self._seeded is None or self._seeded[0] is not dl: self._seeded = (dl, epoch_seeded(dl))
+        dl = self._seeded[1]
+    self._boundary = (self.train_iter, self._epoch_start['rng'])
+    if not resumed: return dl, 0
+    skipped, rng = resumed
+    return SkipBatches(dl, skipped, lambda: set_rng_states(rng, warn=False)), skipped
+
+@patch
+def batch_drawn(self:FitState):
+    "A training batch was drawn: the first of a fit shows whether the step draws from numpy or Python's `random`."
+    self.in_batch = True
+    if self._probing: self._probe = {n: read() for n, read in rng_readers().items() if n in ('numpy', 'random')}
+
+@patch
+def epoch_ending(self:FitState):
+    "The epoch's phases are over: what asks to wait for its end waits until every callback has heard `after_epoch`."
+    self.phase, self.epochs_done, self._at_epoch_end = 'epoch end', self.epoch + 1, True
+
+@patch
+def epoch_over(self:FitState):
+    "Every callback has heard `after_epoch`: do what waited for it (checkpoints of the epoch's end)."
+    self._at_epoch_end = False
+    waiting, self._waiting = self._waiting, []
+    for action in waiting: action()
+
+@patch
+def at_epoch_end(self:FitState, action):
+    "Run `action()` once every callback has heard this epoch's `after_epoch` (now, if the epoch's end is past)."
+    if self._at_epoch_end: self._waiting.append(action)
+    else: action()
+
+# %% ../nbs/04_learner.ipynb #fsu04
+@patch
+def _reset_notes(self:FitState):
+    self._epoch_start, self._boundary, self._resume, self._waiting, self._at_epoch_end = None, None, None, [], False
+    self.in_batch = False  # between a training batch's drawing and the end of its events
+    self._probing, self._probe, self._readers = True, {}, rng_readers(host=False)
+
+@patch
+def progress(self:FitState):
+    "Where the fit is, as a checkpoint keeps it: epochs done, training batches done in the next, and whether it resumes."
+    in_training = self.phase == 'train'
+    # a fit that stopped inside a batch (an error) and was not put back at the batch's start (a Checkpoint does it)
+    stopped_inside = self.in_batch and not self.fitting
+    return {'epochs_done': self.epochs_done, 'batches_done': self.batches_done if in_training else 0,
+            'phase': 'inside a batch' if stopped_inside else self.phase,
+            'resumable': self.phase != 'valid' and not stopped_inside, 'n_epoch': self.n_epoch,
+            'train_iter': self.train_iter, 'pct_train': self.pct_train, 'epoch': self.epoch, 'iter': self.iter}
+
+@patch
+def random_states(self:FitState):
+    "`(the states to go on from, those of the epoch's start)`: in a training phase, of its last batch boundary and its start."
+    if self.phase != 'train' or self._epoch_start is None: return rng_states(), None
+    boundary = self._boundary[1] if self._boundary[0] == self.train_iter else self._epoch_start['rng']
+    return boundary, self._epoch_start['rng']
+
+@patch
+def state_dict(self:FitState, learn, rng=None, every_rank=True):
+    "Everything `load_state_dict` needs to go on with `learn`'s fit exactly: weights, optimizer, step, callbacks, position, random states."
+    if learn.opt is None: learn.create_opt()
+    callbacks = {cb.name: state for cb in learn.cbs if (state := cb.state_dict()) is not None}
+    boundary, epoch_start = self.random_states()
+    mid_epoch = self.phase == 'train' and self._epoch_start is not None
+    loaders = {name: [g.get_state() for g in loader_generators(dl)] for name in ('train', 'valid')
+               if (dl := getattr(learn.dls, name)) is not None}
+    if mid_epoch: loaders['train'] = self._epoch_start['loader']  # the epoch's order is drawn again, from its start
+    # each process's own random states (processes are often seeded apart): gathered from all, unless only this one saves
+    mine = (saveable_rng(rng if rng is not None else boundary), saveable_rng(epoch_start) if mid_epoch else None)
+    ranks = learn.processes.gather(mine) if every_rank else [mine]
+    return {'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(), 'step': learn.step.state_dict(),
+            'callbacks': callbacks, 'observers': [cb.name for cb in learn.cbs if cb.name in callbacks and cb.observes],
+            'undeclared': {cb.name: _plain_attributes(cb) for cb in learn.cbs if _keeps_undeclared_state(cb)},
+            'rng': [r for r, _ in ranks], 'epoch_start_rng': [s for _, s in ranks] if mid_epoch else None,
+            'loaders': loaders, 'progress': self.progress()}
+
+@patch
+def load_state_dict(self:FitState, learn, state):
+    "Put `learn` where `state` was, for the fit about to go on: the next epoch, or the next batch of an epoch under way."
+    restore_training_state(learn, state['model'], state['opt'])
+    if state.get('step') is not None: learn.step.load_state_dict(state['step'])
+    for cb in learn.cbs:
+        if cb.name in state['callbacks']: cb.load_state_dict(state['callbacks'][cb.name])
+    _warn_of_undeclared_state(learn, state.get('undeclared', {}))
+    for name, saved in state['loaders'].items():
+        for generator, s in zip(loader_generators(getattr(learn.dls, name)), saved): generator.set_state(s)
+    progress = state['progress']
+    self.start_epoch = self.epochs_done = progress['epochs_done']
+    self.train_iter, self.pct_train = progress['train_iter'], progress['pct_train']
+    rng, epoch_start = _own_states(state['rng'], learn), _own_states(state.get('epoch_start_rng'), learn)
+    set_rng_states(rng)
+    if epoch_start is not None:  # the epoch is drawn again from its start, then its batches done skipped
+        set_rng_states(epoch_start, warn=False)
+        self._resume = (progress['batches_done'], rng)
+
+def _own_states(saved, learn):
+    "This process's random states among those of every process that `saved` holds (one dict: a single process's)."
+    if saved is None or isinstance(saved, dict): return saved
+    rank, count = process_rank(), process_count()
+    if len(saved) == count: return saved[rank]
+    if rank == 0 and len(saved) != 1:
+        warnings.warn(f"the checkpoint holds the random states of {len(saved)} processes and {count} go on from it: "
+                      "each takes those of rank 0 (a fit with per-process seeds draws other random numbers than "
+                      "before)", stacklevel=3)
+    return saved[0]
+
+@patch
+def _note_boundary(self:FitState):
+    "The random states the next training batch starts from (a fit resumed there draws on from them)."
+    self.in_batch = False
+    if self._probing:  # the fit's first batch: does the step itself draw from numpy or Python's `random`?
+        self._probing = False
+        readers = rng_readers()
+        self._readers = rng_readers(host=any(not same_state(s, readers[n]()) for n, s in self._probe.items()))
+    self._boundary = (self.train_iter, {name: read() for name, read in self._readers.items()})
+
+# %% ../nbs/04_learner.ipynb #fsu05
+_PLAIN = (bool, int, float, str, type(None))
+
+def _plain(value):
+    "`value` if it is a number, a string, None or a list, tuple or dict of them (what a checkpoint can compare), else None."
+    if isinstance(value, _PLAIN): return value
+    if isinstance(value, (list, tuple)) and all(isinstance(v, _PLAIN) for v in value): return list(value)
+    if isinstance(value, dict) and all(isinstance(v, _PLAIN) for v in value.values()): return dict(value)
+    return None
+
+def _keeps_undeclared_state(cb):
+    "Whether `cb` may keep state across batches that no `state_dict` declares: it changes the fit and has no `state_dict`."
+    return not cb.observes and type(cb).state_dict is Callback.state_dict and not isinstance(cb, StepSetting)
+
+def _plain_attributes(cb):
+    "The attributes of `cb` a checkpoint can compare later: numbers, strings and plain collections of them."
+    return {k: p for k, v in vars(cb).items() if k != 'learn' and not k.startswith('__') and (p := _plain(v)) is not None}
+
+def _warn_of_undeclared_state(learn, saved):
+    "Warn of a callback whose attributes differ from those it had when the checkpoint was written: a resume loses them."
+    for cb in learn.cbs:
+        if cb.name not in saved or not _keeps_undeclared_state(cb): continue
+        now = _plain_attributes(cb)
+        lost = {k: v for k, v in saved[cb.name].items() if k in now and now[k] != v}
+        if lost:
+            said = ', '.join(f"{k} was {v!r} and is {now[k]!r}" for k, v in lost.items())
+            warnings.warn(f"{type(cb).__name__} keeps attributes that the checkpoint cannot give back ({said}): the "
+                          f"resumed fit goes on without them. Give it `state_dict()` and `load_state_dict(state)`, or "
+                          "`observes = True` if it only watches the fit", stacklevel=4)
+
+# %% ../nbs/04_learner.ipynb #w02
+class HyperParameterClash(ValueError):
+    "Two callbacks of a fit write one hyper-parameter, and at least one of them did not declare it."
+
+@patch
+@contextmanager
+def _hyper_writes_watched(self:Learner):
+    "Within the block, every `set_hyper` of a callback is noted, and a second writer of a name it did not declare refused."
+    opt, self.hyper_writes, self._running = self.opt, {}, None
+    before = [dict(group) for group in opt.hypers]  # put back if the fit is refused for a clash
+    opt.hyper_written = self._note_hyper_write
+    try: yield
+    except HyperParameterClash:
+        opt.hyper_written = None
+        for name in before[0]: opt.set_hyper(name, [group[name] for group in before])
+        raise
+    finally: opt.hyper_written = None
+
+@patch
+def _note_hyper_write(self:Learner, name):
+    cb = getattr(self._running, '__self__', None)
+    if not isinstance(cb, Callback): return  # the learner itself, outside any callback's event
+    writers = self.hyper_writes.setdefault(name, {})
+    if cb in writers: return
+    writers[cb] = self._running.__name__
+    undeclared = [w for w in writers if not _declares(w, name)]
+    if len(writers) > 1 and undeclared: raise HyperParameterClash(_clash_message(name, writers, undeclared))
+
+def _declares(cb, name):
+    "Whether `cb` says that it writes `name` (`'*'`: any, over the other writers on purpose)."
+    declared = cb.hypers_written()
+    return name in declared or '*' in declared
+
+def _clash_message(name, writers, undeclared):
+    said = ' and '.join(f"{type(cb).__name__} (in `{event}`"
+                        + (f", declared: {cb.hypers_written()[name]})" if cb not in undeclared else ", undeclared)")
+                        for cb, event in writers.items())
+    fix = ', '.join(f"`{type(cb).__name__}.hypers_written()`" for cb in undeclared)
+    return (f"{said} both set {name!r}: each would overwrite the other's value without a word. Declare it in {fix} "
+            f"(`return {{{name!r}: 'every batch'}}`), and two declared writers of {name!r} are refused before the fit "
+            f"with a message on what to keep; or leave one of them out of this fit")
+
 # %% ../nbs/04_learner.ipynb #u02
 from .optim.interop import norm_and_bias_params
 
@@ -643,11 +1208,8 @@ def _check_learner_args(dls, model, loss_func, opt_func, lr, metrics, n_inp):
 
 @patch
 def _init_engine(self:Learner):
-    self.keep_grads = False  # set by a callback during a training batch: its gradients stay in `.grad` at its end
-    self.training_module = None  # what training batches call instead of `model`: a wrapper of it (data-parallel training)
     self.interrupts = InterruptGate()
-    self.stop_agreement = None  # how a request to stop reaches every process training together (notebook 15)
-    self.processes = OneProcess()  # replaced while several processes train together (notebook 15)
+    self.interrupts.defer = self.step.defer_interrupt  # several processes: a Ctrl-C waits until every one knows of it
     self._warned_alone = False  # warned that under torchrun this learner fits outside `distributed()` (below)
 
 def _check_new_callback(learn, existing, cb):
@@ -698,10 +1260,7 @@ def _device_note(model, xb):
 
 @patch
 def _forward(self:Learner):
-    # A wrapper that adds work of its own to training steps (DistributedDataParallel averages the gradients across
-    # processes) is called on training batches; the weights are always `model`'s, and validation calls `model` itself.
-    module = self.model if self.training_module is None or not self.training else self.training_module
-    try: return module(*self.xb)
+    try: return self.step.forward(self.model, self.xb, self.training)
     except RuntimeError as e:
         if 'device' in str(e): _add_note(e, _device_note(self.model, self.xb))
         raise
@@ -710,7 +1269,7 @@ def _forward(self:Learner):
 def _check_loaders(dls):
     for name in ('train', 'valid'):
         dl = getattr(dls, name)
-        if dl is not None and hasattr(dl, '__len__') and len(dl) == 0:
+        if dl is not None and loader_length(dl) == 0:
             raise ValueError(f"the {name} data loader has no batches (is the dataset empty, or drop_last=True with "
                              "fewer items than the batch size?)")
 

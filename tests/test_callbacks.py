@@ -168,10 +168,10 @@ class InfAt(Callback):
         if self.train_iter == self.at: next(self.learn.model.parameters()).grad.view(-1)[0] = float('inf')
 
 
-class CancelAfterStep(Callback):
-    "Cancel training batch `at` (counted from 0 over the fit) after its backward and step."
+class CancelAfterBackward(Callback):
+    "Cancel training batch `at` (counted from 0 over the fit) after its backward."
     def __init__(self, at): self.at = at
-    def after_step(self):
+    def after_backward(self):
         if self.train_iter == self.at: raise CancelBatchException()
 
 
@@ -182,14 +182,16 @@ ACCUMULATED = dict(bs=4, n_train=22)
 @pytest.mark.numeric
 @pytest.mark.parametrize('left_out', [None, 'mixed precision skips its step', 'cancelled after its backward'])
 def test_each_step_has_the_gradient_of_one_batch_of_all_its_items(left_out):
-    "Against a big batch computed by hand, in float64, with an uneven last group; a skipped batch is left out."
+    "Against a big batch computed by hand, in float64, with an uneven last group. A batch cancelled after its backward"
+    " is left out of its step; an inf in a batch's gradients skips its whole step (torch's recipe with a GradScaler)."
     probe, log = StepProbe(), BatchLog()
     extra = {None: [], 'mixed precision skips its step': [MixedPrecision(torch.float16), InfAt(1)],
-             'cancelled after its backward': [CancelAfterStep(1)]}[left_out]
+             'cancelled after its backward': [CancelAfterBackward(1)]}[left_out]
     learn = shuffled_learner(GradientAccumulation(12), probe, log, *extra, **ACCUMULATED)
     learn.fit(2)
-    kept = [b for i, b in enumerate(log.batches) if not (left_out and i == 1)]
-    sizes, step_batches = ([12, 6, 12, 10], [3, 5, 8, 11]) if left_out else ([12, 10, 12, 10], [2, 5, 8, 11])
+    cancelled = left_out == 'cancelled after its backward'
+    kept = [b for i, b in enumerate(log.batches) if not (cancelled and i == 1)]
+    sizes, step_batches = ([12, 6, 12, 10], [3, 5, 8, 11]) if cancelled else ([12, 10, 12, 10], [2, 5, 8, 11])
     groups, start = [], 0
     for size in sizes:
         stop = start
@@ -197,8 +199,14 @@ def test_each_step_has_the_gradient_of_one_batch_of_all_its_items(left_out):
         groups.append(kept[start:stop])
         start = stop
     assert start == len(kept) and [s['batch'] for s in probe.steps] == step_batches
-    for step, group in zip(probe.steps, groups):
+    skipped = left_out == 'mixed precision skips its step'
+    for i, (step, group) in enumerate(zip(probe.steps, groups)):
+        if skipped and i == 0:  # the inf went into the step's sum: the step is skipped, the weights stay
+            assert not all(bool(g.isfinite().all()) for g in step['grads'])
+            assert all(map(torch.equal, step['weights'], probe.steps[1]['weights']))
+            continue
         assert max_diff(step['grads'], mean_loss_gradient(learn.model, step['weights'], group)) < 1e-10
+    if skipped: assert learn.mixed_precision.skipped == 1
     # the Recorder has every batch's own loss (a left-out one's too), not the scaled one its backward saw
     weights = [next(s['weights'] for s in probe.steps if s['batch'] >= i) for i in range(len(log.batches))]
     own = [F.mse_loss(with_weights(learn.model, w)(x), y).float().item() for w, (x, y, _) in zip(weights, log.batches)]
@@ -262,8 +270,8 @@ def test_a_fit_interrupted_between_two_steps_resumes_with_the_gradients_set_asid
     whole.fit(2)
     first = shuffled_learner(GradientAccumulation(12), Checkpoint(tmp_path), **ACCUMULATED)
     with pytest.raises(KeyboardInterrupt): first.fit(2, cbs=[CtrlCAfter(7)])  # the second batch of the second epoch
-    saved = read_checkpoint(tmp_path / 'interrupted.pt')['callbacks']['gradient_accumulation']
-    assert saved['count'] == 8 and all(torch.is_tensor(g) for g in saved['grads'])
+    saved = read_checkpoint(tmp_path / 'interrupted.pt')['step']  # the training step's: its gradients set aside
+    assert saved['samples'] == 8 and all(torch.is_tensor(g) for g in saved['kept'])
     second = shuffled_learner(GradientAccumulation(12), Checkpoint(tmp_path / 'again'), **ACCUMULATED)
     second.fit(2, resume=tmp_path / 'interrupted.pt')
     assert all(map(torch.equal, second.model.parameters(), whole.model.parameters()))
@@ -281,26 +289,33 @@ def test_accumulation_refuses_a_count_that_is_not_a_whole_number(n_acc):
     with pytest.raises(ValueError, match='n_acc must be a whole number'): GradientAccumulation(n_acc)
 
 
-@pytest.mark.parametrize('case', ['mixed precision without waiting', 'a loader without len'])
-def test_accumulation_refuses_a_fit_it_cannot_do_before_anything_changes(case):
+def test_accumulation_refuses_a_loader_without_a_length_before_anything_changes():
     learn = shuffled_learner(GradientAccumulation(12), **ACCUMULATED)
-    if case == 'a loader without len': learn.dls = DataLoaders(Unsized(list(learn.dls.train)), learn.dls.valid)
-    extra = [MixedPrecision(torch.float16, sync_free=True)] if case == 'mixed precision without waiting' else []
+    learn.dls = DataLoaders(Unsized(list(learn.dls.train)), learn.dls.valid)
     before = copy.deepcopy(learn.model.state_dict())
-    with pytest.raises(ValueError, match='sync_free' if extra else 'len'): learn.fit(1, cbs=extra)
+    with pytest.raises(ValueError, match='len'): learn.fit(1)
     assert learn.opt is None and all(torch.equal(v, before[k]) for k, v in learn.model.state_dict().items())
 
 
+def accumulated_float16_fit(sync_free, *cbs):
+    learn = shuffled_learner(*cbs, GradientAccumulation(12), InfAt(1), MixedPrecision(torch.float16, sync_free=sync_free),
+                             **ACCUMULATED)
+    learn.fit(2)
+    return learn
+
+
+@pytest.mark.numeric
+def test_mixed_precision_without_waiting_skips_an_accumulated_step_as_the_waiting_one_does():
+    "The step's check comes once its gradients are added up: taken and undone on the device, or skipped, alike."
+    waiting, not_waiting = accumulated_float16_fit(False), accumulated_float16_fit(True)
+    assert not_waiting.mixed_precision._deferred and waiting.mixed_precision.skipped == not_waiting.mixed_precision.skipped == 1
+    assert all(map(torch.equal, waiting.model.parameters(), not_waiting.model.parameters()))
+
+
 @pytest.mark.cuda
-def test_on_a_gpu_mixed_precision_waits_for_its_checks_while_gradients_accumulate():
-    "A batch's gradients are kept only once they are known to be finite: the default then waits, as sync_free=False does."
-    def fit(sync_free):
-        learn = shuffled_learner(DeviceCallback('cuda'), GradientAccumulation(12), InfAt(1),
-                                 MixedPrecision(torch.float16, sync_free=sync_free), **ACCUMULATED)
-        learn.fit(2)
-        return learn
-    default, waiting = fit(None), fit(False)
-    assert default.mixed_precision._deferred is False and default.mixed_precision.skipped == 1
+def test_on_a_gpu_mixed_precision_does_not_wait_for_its_checks_while_gradients_accumulate():
+    default, waiting = accumulated_float16_fit(None, DeviceCallback('cuda')), accumulated_float16_fit(False, DeviceCallback('cuda'))
+    assert default.mixed_precision._deferred and default.mixed_precision.skipped == waiting.mixed_precision.skipped == 1
     assert all(map(torch.equal, default.model.parameters(), waiting.model.parameters()))
 
 

@@ -105,7 +105,7 @@ def test_checkpoint_files_keep_and_latest(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ['epoch-004.pt', 'latest.pt']
     assert os.path.samefile(tmp_path / 'epoch-004.pt', tmp_path / 'latest.pt')
     state = read_checkpoint(tmp_path / 'latest.pt')
-    assert state['progress']['epochs_done'] == 4 and len(state['recorder']['values']) == 4
+    assert state['progress']['epochs_done'] == 4 and len(state['callbacks']['recorder']['values']) == 4
     with pytest.raises(ValueError, match='every_n_epochs'): Checkpoint(tmp_path, every_n_epochs=0)
     with pytest.raises(ValueError, match='keep'): Checkpoint(tmp_path, keep=0)
 
@@ -182,15 +182,16 @@ def test_refusals_found_only_by_loading_change_nothing(tmp_path):
     assert_unchanged(learn, before)
 
 
-def test_a_checkpoint_from_the_middle_of_an_epoch_is_refused_for_resume(tmp_path):
+def test_a_checkpoint_written_after_a_fit_stopped_inside_a_batch_is_refused_for_resume(tmp_path):
+    "An error in a batch's events leaves the model part-way through it: no resume from there, only its weights."
     class Interrupt(Callback):
-        def after_batch(self):
+        def after_pred(self):
             if self.training and self.iter == 5: raise KeyboardInterrupt
     learn = digits_learner()
     with pytest.raises(KeyboardInterrupt): learn.fit(2, cbs=[Interrupt()])
     learn.save_checkpoint(tmp_path / 'mid.pt')
     fresh = digits_learner(seed=1)
-    with pytest.raises(ValueError, match='middle of epoch 0'): fresh.fit(2, resume=tmp_path / 'mid.pt')
+    with pytest.raises(ValueError, match='inside batch 5 of epoch 0'): fresh.fit(2, resume=tmp_path / 'mid.pt')
     fresh.load_checkpoint(tmp_path / 'mid.pt')
     assert weights_equal(fresh, learn)
 
@@ -459,24 +460,18 @@ def test_an_error_in_the_middle_of_an_augmented_batch_resumes_exactly(tmp_path, 
     assert weights_equal(straight, resumed) and history(straight) == history(resumed)
 
 
-def test_a_save_at_an_epochs_end_before_a_tracker_has_seen_it_is_refused_for_resume_not_resumed_wrongly(tmp_path):
-    "EarlyStopping (order 55) not yet told of the epoch: a resume would skip its part, so it is refused, saying why."
+def test_a_save_at_an_epochs_end_waits_for_every_callback_and_resumes_whatever_its_order(tmp_path):
+    "A callback of order 0 saving in after_epoch, before EarlyStopping (55) has counted that epoch: the file is written"
+    " once every callback has heard the epoch's end, and the resumed fit stops where the whole one does."
     class SaveAtEpochEnd(Callback):
         order = 0
         def after_epoch(self):
             if self.epoch == 0: self.learn.save_checkpoint(tmp_path / 'end.pt')
     values = [0.5, 0.6, 0.4, 0.7]
-    first = scripted_learner(values)
-    first.fit(1, cbs=[EarlyStopping('score', 'min', patience=1), SaveAtEpochEnd()])
-    fresh = scripted_learner(values)
-    before = [p.detach().clone() for p in fresh.model.parameters()]
-    with pytest.raises(ValueError, match=r"before \['early_stopping'\] had finished"):
-        fresh.fit(4, cbs=[EarlyStopping('score', 'min', patience=1)], resume=tmp_path / 'end.pt')
-    assert all(torch.equal(a, b) for a, b in zip(before, fresh.model.parameters())) and fresh.opt is None
-    SaveAtEpochEnd.order = 60  # after the tracker: the same save resumes exactly
     whole, stopper = scripted_learner(values), EarlyStopping('score', 'min', patience=1)
     whole.fit(4, cbs=[stopper])
     scripted_learner(values).fit(1, cbs=[EarlyStopping('score', 'min', patience=1), SaveAtEpochEnd()])
+    assert read_checkpoint(tmp_path / 'end.pt')['callbacks']['early_stopping']['best'] == 0.5  # the tracker had counted it
     resumed, resumed_stopper = scripted_learner(values), EarlyStopping('score', 'min', patience=1)
     resumed.fit(4, cbs=[resumed_stopper], resume=tmp_path / 'end.pt')
     assert resumed_stopper.stopped_epoch == stopper.stopped_epoch == 1 and weights_equal(whole, resumed)
@@ -638,8 +633,8 @@ def test_a_resume_may_leave_out_an_observer_with_a_state_but_not_a_callback_that
                         TrackerCallback('valid_loss', 'min'), StopAfterEpoch(0)])
     state = read_checkpoint(tmp_path / 'watched' / 'latest.pt')
     # a tracker of the user's own may act on what it tracks: only SaveModel says it only watches
-    assert set(state['callbacks']) == {'checkpoint', 'save_model', 'tracker'}
-    assert set(state['observers']) == {'checkpoint', 'save_model'}
+    assert set(state['callbacks']) == {'checkpoint', 'recorder', 'save_model', 'tracker'}
+    assert set(state['observers']) == {'checkpoint', 'recorder', 'save_model'}
     with pytest.raises(ValueError, match=r"\['tracker'\], which this fit lacks"):
         digits_learner().fit(3, resume=tmp_path / 'watched' / 'latest.pt')
     resumed = digits_learner()

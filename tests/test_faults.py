@@ -92,9 +92,8 @@ def test_gradient_clipping_scales_all_gradients_together():
     class Before(Callback):
         order = 25
         def before_step(self): seen['before'] = [p.grad.clone() for p in self.model.parameters()]
-    class After(Callback):
-        order = 35
-        def before_step(self):
+    class After(Callback):  # the step clips after `before_step`: the gradients it stepped with are there in `after_step`
+        def after_step(self):
             seen['after'] = [p.grad.clone() for p in self.model.parameters()]
             raise CancelFitException()
     learn = sgd_learner()

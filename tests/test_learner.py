@@ -716,15 +716,6 @@ def test_a_background_fit_takes_every_step_whatever_the_main_thread_calls():
     learn.validate()  # the learner is free again once the fit is over
 
 
-class KeepGradsAt(Callback):
-    "Training batch `at` keeps its gradients and takes no step."
-    def __init__(self, at): self.at = at
-    def before_step(self):
-        if self.train_iter == self.at:
-            self.learn.keep_grads = True
-            raise CancelStepException()
-
-
 class GradsAtBatchEnd(Callback):
     "The gradients each training batch ends with (None where there are none)."
     order, run_valid = 100, False
@@ -733,20 +724,31 @@ class GradsAtBatchEnd(Callback):
         self.grads.append([None if p.grad is None else p.grad.clone() for p in self.learn.model.parameters()])
 
 
-@pytest.mark.parametrize('cancelled', [False, True], ids=['whole', 'cancelled after its step'])
-def test_a_batch_that_keeps_its_gradients_ends_with_them_unless_it_is_cancelled(cancelled):
+def sgd_by_hand(model, batches, lr=0.1, n_acc=16):
+    "One SGD step of `model` on the mean gradient of `batches` (their losses weighted by size over `n_acc`), in place."
+    seen = sum(len(yb) for _, yb in batches)
+    for xb, yb in batches: (F.mse_loss(model(xb), yb) * (len(yb) / n_acc)).backward()
+    with torch.no_grad():
+        for p in model.parameters(): p.add_(p.grad * (n_acc / seen), alpha=-lr)
+
+
+@pytest.mark.parametrize('cancelled', [None, 0, 1], ids=['whole', 'first batch cancelled', 'last batch cancelled'])
+def test_a_step_of_two_batches_is_one_transaction(cancelled):
+    "Two batches of 8 make one step of 16: a batch cancelled after its backward takes its own gradients with it, the"
+    " step's last batch cancelled takes the whole step; every batch ends with no gradient in `.grad`."
+    from teachloop.callback.core import GradientAccumulation
     ends = GradsAtBatchEnd()
-    cancel = [Raise('after_step', CancelBatchException, iter=0)] if cancelled else []
-    learn = tiny_learner(KeepGradsAt(0), ends, *cancel)
+    cancel = [] if cancelled is None else [Raise('after_backward', CancelBatchException, iter=cancelled)]
+    learn = tiny_learner(GradientAccumulation(16), ends, *cancel, dls=tiny_dls(2, dtype=torch.float64))
+    learn.model.double()  # float64: the step's sum and the hand-written one round alike only where they agree exactly
     by_hand = copy.deepcopy(learn.model)
     learn.fit(1)
-    xb, yb = learn.dls.train[0]
-    F.mse_loss(by_hand(xb), yb).backward()
-    first, second = ends.grads
-    if cancelled: assert all(g is None for g in first)
-    else: assert all(torch.equal(g, p.grad) for g, p in zip(first, by_hand.parameters()))
-    assert all(g is None for g in second) and learn.keep_grads is False  # the flag is the batch's: the next one clears
-    assert all(p.grad is None for p in learn.model.parameters())  # and so does the fit's end
+    batches = list(learn.dls.train)
+    if cancelled is None: sgd_by_hand(by_hand, batches)
+    elif cancelled == 0: sgd_by_hand(by_hand, batches[1:])  # the step of the second batch alone, as its own mean
+    # a cancelled last batch drops the step: the weights stay where they were
+    assert all(torch.equal(a, b) for a, b in zip(learn.model.parameters(), by_hand.parameters()))
+    assert all(g is None for grads in ends.grads for g in grads) and learn.step.kept is None
 
 
 # Predictions: `get_preds` and `predict` as fastai's, for outputs, inputs and targets of any shape

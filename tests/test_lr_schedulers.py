@@ -187,14 +187,19 @@ def test_a_resumed_fit_reaches_the_weights_of_the_whole_one(schedule, at, file, 
     assert resumed.recorder.hps['lr'] == whole.recorder.hps['lr'] and len(set(whole.recorder.hps['lr'])) > 1
 
 
-def test_a_checkpoint_taken_before_an_epoch_steps_the_schedule_says_so(tmp_path):
+def test_a_checkpoint_asked_for_before_an_epoch_steps_the_schedule_waits_for_it(tmp_path):
+    "Saved by a callback that hears the epoch's end before LRSchedulerCallback: written once it has stepped."
     class SaveFirst(Callback):
         order = -1  # before LRSchedulerCallback (0) at the epoch's end
         def after_epoch(self): self.learn.save_checkpoint(tmp_path / 'early.pt')
-    learner(cbs=[LRSchedulerCallback(lr_scheduler.StepLR, 1), SaveFirst()]).fit(1)
-    assert read_checkpoint(tmp_path / 'early.pt')['progress']['behind'] == ['lr_scheduler']
-    learner(cbs=[LRSchedulerCallback(lr_scheduler.CyclicLR, 0.01, 0.1), SaveFirst()]).fit(1)  # per batch: nothing due
-    assert read_checkpoint(tmp_path / 'early.pt')['progress']['behind'] == []
+    saved = learner(cbs=[LRSchedulerCallback(lr_scheduler.StepLR, 1), SaveFirst()])
+    saved.fit(1)
+    assert read_checkpoint(tmp_path / 'early.pt')['callbacks']['lr_scheduler']['epochs_seen'] == 1
+    whole = learner(cbs=[LRSchedulerCallback(lr_scheduler.StepLR, 1)])
+    whole.fit(2)
+    resumed = learner(cbs=[LRSchedulerCallback(lr_scheduler.StepLR, 1)])
+    resumed.fit(2, resume=tmp_path / 'early.pt')
+    assert all(map(torch.equal, weights(resumed), weights(whole))) and resumed.recorder.hps['lr'] == whole.recorder.hps['lr']
 
 
 def test_a_checkpoint_of_another_schedule_is_refused(tmp_path):

@@ -399,4 +399,4 @@ def test_lr_find_sets_aside_the_callbacks_that_would_stop_record_or_write_the_ra
     assert len(learn.lr_range_test.lrs) == 60  # not cut short after an epoch
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
     assert [cb for cb in learn.cbs if cb in (stop, ckpt)] == [stop, ckpt] and stop.learn is learn and ckpt.learn is learn
-    assert stop.epochs_seen == 1
+    assert stop.best == learn.recorder.values[0][2]  # its count is the real fit's, untouched by the range test

@@ -261,8 +261,8 @@ def test_what_a_module_adds_to_lower_ones_does_not_depend_on_the_import_order():
 
 # ---- the callbacks' protocol: a callback takes part in the engine by what its class declares
 
-PROTOCOL = {'order', 'run_train', 'run_valid', 'observes', 'quieten', 'caught_up', 'state_dict', 'load_state_dict',
-            'check_fit', 'name'}
+PROTOCOL = {'order', 'run_train', 'run_valid', 'observes', 'hypers_written', 'quieten', 'state_dict', 'load_state_dict',
+            'check_state_dict', 'check_fit', 'name'}
 
 
 def callback_classes():
@@ -275,12 +275,14 @@ def callback_classes():
 
 
 def test_the_callback_base_declares_the_protocol():
-    "What the engine asks of any callback (its order, phases, whether it only watches, how it goes quiet in a process "
-    "other than the first, whether it has seen an epoch's end, its saved state) is declared on `Callback` or read as optional."
+    "What the engine asks of any callback (its order, phases, whether it only watches, what hyper-parameters it sets, "
+    "whether it refuses a fit, how it goes quiet in a process other than the first, its saved state) is declared on "
+    "`Callback`, with defaults that do nothing: the engine asks every callback the same way."
     from teachloop.learner import Callback
-    assert {'order', 'run_train', 'run_valid', 'observes', 'quieten', 'caught_up', 'name'} <= set(dir(Callback))
+    assert PROTOCOL <= set(dir(Callback))
     cb = Callback()
-    assert cb.quieten() is None and cb.caught_up(10**6) and not cb.observes
+    assert cb.quieten() is None and not cb.observes and cb.hypers_written() == {} and cb.state_dict() is None
+    assert cb.check_fit() is None and cb.check_state_dict({}) is None and cb.load_state_dict({}) is None
 
 
 def test_the_engine_reads_other_callbacks_only_through_what_their_classes_declare():
@@ -295,6 +297,5 @@ def test_the_engine_reads_other_callbacks_only_through_what_their_classes_declar
                     and isinstance(node.args[1], ast.Constant)):
                 read.add((path.relative_to(PACKAGE).as_posix(), node.args[1].value))
     callback_reads = {(p, a) for p, a in read if not p.startswith(('optim/', 'lessons/'))}  # there `cb` is an optimizer part
-    assert callback_reads and all(a in declared for _, a in callback_reads), sorted(
-        (p, a) for p, a in callback_reads if a not in declared)
+    assert all(a in declared for _, a in callback_reads), sorted((p, a) for p, a in callback_reads if a not in declared)
     for name in ('epoch_start', 'batch_boundary', 'epochs_seen'): assert name not in {a for _, a in callback_reads}

@@ -6,11 +6,9 @@ the losses of a fit that never stopped."""
 # %% ../../nbs/13_checkpoint.ipynb #c003
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import warnings
-from collections import defaultdict
 from functools import partial
 from pathlib import Path
 
@@ -19,102 +17,60 @@ from fastcore.basics import patch
 
 from ..core import (atomic_save, check_count, check_save_folder, check_save_path, process_rank,
                             written_by_rank_zero)
-from ..learner import (Callback, CancelFitException, Learner, check_state_matches, optimizer_with_state,
-                               restore_training_state)
-from .nan_capture import running_stat_layers
-from ..random_state import loader_generators, rng_readers, rng_states, saveable_rng, set_rng_states
+from ..learner import (Callback, CancelFitException, Learner, StepSetting, check_state_matches,
+                               optimizer_with_state, restore_training_state)
+from ..random_state import loader_generators
 from .schedule import ParamScheduler
 
 # %% auto #0
-__all__ = ['FORMAT', 'checkpoint_state', 'epoch_rows', 'fit_schedules', 'schedule_record', 'resume_call',
-           'check_schedules_continue', 'read_checkpoint', 'check_checkpoint_fits', 'restore_checkpoint', 'SkipBatches',
-           'Resume', 'ResumePoints', 'Checkpoint', 'replace_with_link']
+__all__ = ['FORMAT', 'checkpoint_state', 'fit_schedules', 'schedule_record', 'resume_call', 'check_schedules_continue',
+           'read_checkpoint', 'check_checkpoint_fits', 'restore_checkpoint', 'Resume', 'Checkpoint',
+           'replace_with_link']
 
 # %% ../../nbs/13_checkpoint.ipynb #c011
 FORMAT = 'teachloop-checkpoint'
 
-def _stateful_callbacks(learn):
-    # the Recorder's history is saved apart, with the rows as of the save (see `epoch_rows`)
-    return [cb for cb in learn.cbs if callable(getattr(type(cb), 'state_dict', None)) and cb.name != 'recorder']
-
-def _has_recorder(learn): return any(cb.name == 'recorder' for cb in learn.cbs)
-
 def checkpoint_state(learn,
-                     rng=None,  # the random states to keep; None: those of the batch boundary, or as they are now
+                     rng=None,  # the random states to keep; None: those the fit goes on from
+                     every_rank=True,  # with several processes, each gives its random states (all of them call it)
                     ):
-    """Everything needed to continue `learn`'s fit exactly: weights, optimizer, callbacks, history, random states, progress.
+    """Everything needed to continue `learn`'s fit exactly: the fit's state (`learn.fit_state`), and its schedules.
 
     Args:
-        rng: the random states to keep; None: those of the batch boundary, or as they are now
+        rng: the random states to keep; None: those the fit goes on from
+        every_rank: with several processes, each gives its random states (all of them call it)
+
+    Args:
+        rng: the random states to keep; None: those the fit goes on from
+        every_rank: with several processes, each gives its random states (all of them call it)
     """
-    if learn.opt is None: learn.create_opt()
-    rows = epoch_rows(learn) if _has_recorder(learn) else None
-    stateful = _stateful_callbacks(learn)
-    return {'format': FORMAT, 'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(),
-            'callbacks': {cb.name: cb.state_dict() for cb in stateful},
-            'observers': [cb.name for cb in stateful if cb.observes],  # their states: a resumed fit may leave them out
-            'recorder': learn.recorder.state_dict(rows) if rows is not None else None,
-            'rng': saveable_rng(next(r for r in (rng, _rng_at_batch_start(learn), rng_states()) if r is not None)),
-            'loaders': {name: [g.get_state() for g in loader_generators(getattr(learn.dls, name))]
-                        for name in ('train', 'valid') if getattr(learn.dls, name) is not None},
-            'schedules': _schedule_records(learn),
-            'progress': _progress(learn, rows)}
+    return {'format': FORMAT, **learn.fit_state.state_dict(learn, rng, every_rank), 'schedules': _schedule_records(learn)}
 
 @patch
 def save_checkpoint(self:Learner,
                     path,  # the file to write
-                    rng=None,  # the random states to keep; None: those of the batch boundary, or as they are now
+                    rng=None,  # the random states to keep; None: those the fit goes on from
                    ):
     """Write everything `fit(..., resume=path)` needs to continue exactly to `path`, atomically; return the path.
 
+    Asked for during an epoch's `after_epoch`, it is written once every callback has heard that event. With several
+    processes every one of them calls it (each gives its random states), and the process of rank 0 writes.
+
     Args:
         path: the file to write
-        rng: the random states to keep; None: those of the batch boundary, or as they are now
+        rng: the random states to keep; None: those the fit goes on from
+
+    Args:
+        path: the file to write
+        rng: the random states to keep; None: those the fit goes on from
     """
-    atomic_save(checkpoint_state(self, rng), path)
+    self.fit_state.at_epoch_end(partial(_write_checkpoint, self, path, rng))
     return path
 
-# %% ../../nbs/13_checkpoint.ipynb #c011u
-def _epoch_start(learn, epoch):
-    "What a `ResumePoints` callback noted at the start of `epoch` (the loader's generators, the random states), or None."
-    for cb in learn.cbs:
-        if isinstance(cb, ResumePoints) and cb.epoch_start is not None and cb.epoch_start['epoch'] == epoch:
-            return cb.epoch_start
-    return None
-
-def epoch_rows(learn):
-    "The Recorder's rows as of now: a save at an epoch's end that runs before the Recorder's `after_epoch` gets its row too."
-    rows = [list(r) for r in learn.recorder.values]
-    epochs_done, batches_done = divmod(learn.train_iter, len(learn.dls.train))
-    if batches_done == 0 and len(rows) == epochs_done - 1:
-        pending = learn.recorder.pending_row()
-        if pending is not None and pending[0] == epochs_done - 1: rows.append(pending)
-    return rows
-
-def _behind(learn, epochs_done):
-    "The callbacks that have not seen the end of all `epochs_done` epochs yet (`Callback.caught_up`)."
-    return [cb.name for cb in learn.cbs if not cb.caught_up(epochs_done)]
-
-def _progress(learn, rows):
-    epochs_done, batches_done = divmod(learn.train_iter, len(learn.dls.train))
-    rows_complete = rows is None or len(rows) == epochs_done
-    # the epoch under way, also in its first batch: its loader has drawn the epoch's order already
-    epoch_start = _epoch_start(learn, epochs_done) if learn.epoch == epochs_done else None
-    behind = _behind(learn, epochs_done)
-    return {'epochs_done': epochs_done, 'batches_done': batches_done, 'behind': behind,
-            'epoch_start': epoch_start and epoch_start['train'],
-            'epoch_start_rng': epoch_start and epoch_start.get('rng') and saveable_rng(epoch_start['rng']),
-            'resumable': rows_complete and not behind and (batches_done == 0 or epoch_start is not None),
-            'n_epoch': learn.n_epoch,
-            'train_iter': learn.train_iter, 'pct_train': learn.pct_train, 'epoch': learn.epoch, 'iter': learn.iter}
-
-def _rng_at_batch_start(learn):
-    "The random states a `ResumePoints` callback noted at the end of the last whole training batch, if `learn` is inside the next one."
-    if not learn.training: return None
-    for cb in learn.cbs:
-        if isinstance(cb, ResumePoints) and cb.batch_boundary is not None and cb.batch_boundary[0] == learn.train_iter:
-            return cb.batch_boundary[1]
-    return None
+def _write_checkpoint(learn, path, rng=None):
+    "Write `learn`'s checkpoint to `path` now, through a temporary file (in the process of rank 0)."
+    state = checkpoint_state(learn, rng)
+    written_by_rank_zero(partial(atomic_save, state, path), f"the checkpoint {path}")
 
 # %% ../../nbs/13_checkpoint.ipynb #c041
 def fit_schedules(learn, cbs=()):
@@ -205,10 +161,19 @@ def _check_callbacks_present(state, cbs):
                                  "resume with the same callbacks as the interrupted fit")
 
 def _check_callback_states(state, cbs):
-    "Let each callback of `cbs` with a `check_state_dict` method refuse its state in `state`, before any is loaded."
+    "Let each callback of `cbs` refuse its state in `state` (`check_state_dict`), before any is loaded."
     for cb in cbs:
-        if cb.name in state['callbacks'] and callable(getattr(type(cb), 'check_state_dict', None)):
-            cb.check_state_dict(state['callbacks'][cb.name])
+        if cb.name in state['callbacks']: cb.check_state_dict(state['callbacks'][cb.name])
+
+def _not_resumable(progress):
+    "Why a fit cannot go on from a checkpoint written where `progress` says."
+    where = (f"during the validation of epoch {progress['epoch']}, whose row the history does not have yet"
+             if progress['phase'] == 'valid' else
+             f"after the fit stopped inside batch {progress['iter']} of epoch {progress['epoch']} (an error in it), "
+             "which left the model part-way through the batch")
+    return (f"this checkpoint was written {where}; a fit resumes from a training batch's end or an epoch's end (the "
+            "Checkpoint callback writes interrupted.pt at the batch's start, and latest.pt at each epoch's end). Its "
+            "weights are good: `learn.load_checkpoint(path)` loads them")
 
 def check_checkpoint_fits(learn, state, n_epoch, cbs=(), path=None):
     "Raise `ValueError` if `fit(n_epoch, cbs=cbs, resume=path)` cannot continue from `state` on `learn`."
@@ -217,19 +182,7 @@ def check_checkpoint_fits(learn, state, n_epoch, cbs=(), path=None):
     _check_callbacks_present(state, learn.cbs + list(cbs))
     _check_callback_states(state, learn.cbs + list(cbs))
     progress = state['progress']
-    if progress.get('behind'):
-        raise ValueError(f"this checkpoint was written at the end of epoch {progress['epochs_done'] - 1} before "
-                         f"{progress['behind']} had finished that epoch (they run after the callback that saved it): a "
-                         "resume would skip their part of it. Save from a callback whose `order` is above theirs, or "
-                         "with the Checkpoint callback. Its weights are good: `learn.load_checkpoint(path)` loads them")
-    if not progress['resumable']:
-        raise ValueError(f"this checkpoint was written in the middle of epoch {progress['epoch']} (after "
-                         f"{progress['train_iter']} training steps) without the loader's state at the epoch's start; a "
-                         "fit resumes from the end of an epoch, or from within its training phase when a Checkpoint "
-                         "callback was part of the fit. Its weights are good: `learn.load_checkpoint(path)` loads them")
-    if progress['batches_done'] and not loader_generators(learn.dls.train) and not progress.get('epoch_start_rng'):
-        raise ValueError("resuming in the middle of an epoch needs a training loader with its own torch.Generator "
-                         "(DataLoader(..., generator=...)), so that the epoch's order can be drawn again")
+    if not progress['resumable']: raise ValueError(_not_resumable(progress))
     if progress['epochs_done'] >= n_epoch:
         raise ValueError(f"the checkpoint has done {progress['epochs_done']} epochs already; resume with "
                          f"fit(n_epoch) where n_epoch > {progress['epochs_done']} (the total, as in the first fit)")
@@ -244,21 +197,10 @@ def check_checkpoint_fits(learn, state, n_epoch, cbs=(), path=None):
 
 # %% ../../nbs/13_checkpoint.ipynb #c015
 def restore_checkpoint(learn, state):
-    "Put the weights, optimizer, callback states, history, generators and progress of `state` into `learn`."
-    names = {cb.name for cb in learn.cbs}
+    "Put the weights, optimizer, step, callback states, history, generators and position of `state` into `learn`."
     _check_callbacks_present(state, learn.cbs)
     _check_callback_states(state, learn.cbs)
-    restore_training_state(learn, state['model'], state['opt'])
-    for cb in learn.cbs:
-        if cb.name in state['callbacks']: cb.load_state_dict(state['callbacks'][cb.name])
-    if state['recorder'] is not None and 'recorder' in names: learn.recorder.load_state_dict(state['recorder'])
-    progress = state['progress']
-    loaders = {**state['loaders'], 'train': progress['epoch_start'] or state['loaders']['train']}
-    for name, saved in loaders.items():
-        for generator, s in zip(loader_generators(getattr(learn.dls, name)), saved): generator.set_state(s)
-    learn.train_iter, learn.pct_train = progress['train_iter'], progress['pct_train']
-    learn.start_epoch = progress['epochs_done']
-    set_rng_states(state['rng'])
+    learn.fit_state.load_state_dict(learn, state)
 
 @patch
 def load_checkpoint(self:Learner, path):
@@ -267,31 +209,6 @@ def load_checkpoint(self:Learner, path):
     check_state_matches(self.model, state['model'])
     restore_training_state(self, state['model'], state['opt'])
     return self
-
-# %% ../../nbs/13_checkpoint.ipynb #c015s
-class SkipBatches:
-    """A data loader's batches after its first `skipped`, which are drawn (so that the order stays the same) and dropped.
-
-    Args:
-        dl: the data loader
-        skipped: how many of its first batches to draw and drop
-        after_skipping: called once they are drawn, before the first batch is handed on
-    """
-    def __init__(self,
-                 dl,  # the data loader
-                 skipped:int,  # how many of its first batches to draw and drop
-                 after_skipping=None,  # called once they are drawn, before the first batch is handed on
-                ):
-        self.dl, self.skipped, self.after_skipping = dl, skipped, after_skipping
-    def __len__(self): return len(self.dl)
-    def __getattr__(self, attr):  # the loader's own attributes (its dataset, its sampler)
-        if attr.startswith('__') or 'dl' not in self.__dict__: raise AttributeError(attr)
-        return getattr(self.dl, attr)
-    def __iter__(self):
-        batches = iter(self.dl)
-        for _ in itertools.islice(batches, self.skipped): pass
-        if self.after_skipping is not None: self.after_skipping()
-        yield from batches
 
 # %% ../../nbs/13_checkpoint.ipynb #c015b
 class Resume(Callback):
@@ -313,46 +230,15 @@ class Resume(Callback):
         self.state = read_checkpoint(path)
         check_checkpoint_fits(learn, self.state, n_epoch, cbs, path)
 
-    def before_fit(self):
-        restore_checkpoint(self.learn, self.state)
-        progress = self.state['progress']
-        self._epoch_in_progress = self.state['recorder'] if progress['batches_done'] else None
-        # The epoch's order may be drawn from the global generators (a sampler without its own generator) and the
-        # skipped batches may draw from them too (augmentation): the epoch starts again from its start's states (as a
-        # ResumePoints notes them again), and the checkpoint's batch boundary comes back once the skipped are drawn.
-        if progress['batches_done'] and progress.get('epoch_start_rng'):
-            set_rng_states(progress['epoch_start_rng'], warn=False)
-
-    def before_train(self):
-        if self._epoch_in_progress is not None:
-            if _has_recorder(self.learn): self.recorder.load_epoch_in_progress(self._epoch_in_progress)
-            self.learn.dl = SkipBatches(self.learn.dl, self.state['progress']['batches_done'], self._restore_rng)
-        self._epoch_in_progress = None
-
-    def _restore_rng(self): set_rng_states(self.state['rng'], warn=False)  # restore_checkpoint warned of what does not fit
+    def before_fit(self): restore_checkpoint(self.learn, self.state)
 
 @patch
 def resume_callback(self:Learner, path, n_epoch, cbs=()):
     "The callback that makes this fit continue from the checkpoint at `path`, checked now (`fit(..., resume=path)` uses it)."
     return Resume(self, path, n_epoch, cbs)
 
-# %% ../../nbs/13_checkpoint.ipynb #c018r
-class ResumePoints(Callback):
-    "Note where a fit can resume from: the loader's generators and random states as each training phase begins, the random states after each training batch."
-    order, observes = 70, True
-    def __init__(self): self.epoch_start, self.batch_boundary, self._read_rng = None, None, rng_readers(host=False)
-    def before_fit(self): self.batch_boundary = None
-    def before_train(self):
-        rng = self._random_states()
-        self.epoch_start = {'epoch': self.epoch, 'train': [g.get_state() for g in loader_generators(self.dls.train)],
-                            'rng': rng}
-        self.batch_boundary = (self.train_iter, rng)
-    def after_batch(self):
-        if self.learn.training: self.batch_boundary = (self.learn.train_iter, self._random_states())
-    def _random_states(self): return {name: read() for name, read in self._read_rng.items()}
-
 # %% ../../nbs/13_checkpoint.ipynb #c018
-class Checkpoint(ResumePoints):
+class Checkpoint(StepSetting):
     """Write a checkpoint every `every_n_epochs` epochs into `folder`, with `latest.pt` the newest; keep the last `keep` it wrote.
 
     Args:
@@ -360,49 +246,54 @@ class Checkpoint(ResumePoints):
         every_n_epochs: write after every this many epochs
         keep: how many epoch files to keep (None: all)
     """
+    observes = True
     def __init__(self,
                  folder,  # where `epoch-NNN.pt` and `latest.pt` go
                  every_n_epochs=1,  # write after every this many epochs
                  keep=None,  # how many epoch files to keep (None: all)
                 ):
-        super().__init__()
         check_count('every_n_epochs', every_n_epochs)
         if keep is not None: check_count('keep', keep)
         self.folder = check_save_folder(folder, 'Checkpoint folder')
-        self.every_n_epochs, self.keep = every_n_epochs, keep
-        self._in_step, self._ended, self._written = False, False, []
-        self._in_batch, self._stats, self._stats_at_start = False, [], None
+        self.every_n_epochs, self.keep, self._ended, self._written = every_n_epochs, keep, False, []
 
     @property
     def latest(self): return self.folder / 'latest.pt'
 
+    def apply_to(self, step): step.snapshot = True  # each training batch's BatchNorm statistics, for an error mid-batch
+
     def before_fit(self):
-        super().before_fit()
         self.folder = check_save_folder(self.folder, 'Checkpoint folder')  # again: it may have changed since
-        self._in_step, self._ended, self._in_batch = False, False, False
-        self._written = []  # files of an earlier fit stay; a resume gives back those of the fit it continues
-        self._stats, self._stats_at_start = [], None
+        self._ended, self._written = False, []  # files of an earlier fit stay; a resume gives back its own list
 
     def after_epoch(self):
         done = self.epoch + 1
         if done % self.every_n_epochs: return
-        written_by_rank_zero(partial(self._write_epoch, done), f"the checkpoint of epoch {done}")
+        self.learn.fit_state.at_epoch_end(partial(self._save_epoch, done))  # once every callback has heard this epoch's end
 
 # %% ../../nbs/13_checkpoint.ipynb #c018s
 @patch
-def _write_epoch(self:Checkpoint, done):
-    path = self.folder / f'epoch-{done:03d}.pt'
+def _save_epoch(self:Checkpoint, done):
+    "Write the checkpoint of `done` epochs (every process gives its part; rank 0 writes), keeping `keep` of them."
+    path, before = self.folder / f'epoch-{done:03d}.pt', self._written
     # Only files this callback wrote are ever removed: other files in the folder (an earlier fit's) stay. The
     # file keeps the list as it is once the file is written, so that a fit resumed from it removes the same ones.
     written = [p for p in self._written if p != path] + [path]
     cut = max(len(written) - self.keep, 0) if self.keep is not None else 0
-    before, self._written = self._written, written[cut:]
-    try: self.learn.save_checkpoint(path)
+    self._written = written[cut:]
+    try:
+        state = checkpoint_state(self.learn)  # in every process: each gives its random states
+        written_by_rank_zero(partial(self._write_epoch, path, state, written[:cut]), f"the checkpoint of epoch {done}")
     except BaseException:
         self._written = before
         raise
+
+@patch
+def _write_epoch(self:Checkpoint, path, state, removed):
+    "In the process of rank 0: write the epoch's file, point `latest.pt` at it, remove the files `keep` no longer wants."
+    atomic_save(state, path)
     replace_with_link(path, self.latest)
-    for old in written[:cut]: old.unlink(missing_ok=True)
+    for old in removed: old.unlink(missing_ok=True)
 
 @patch
 def state_dict(self:Checkpoint):
@@ -426,46 +317,26 @@ def replace_with_link(source, target):
     os.replace(tmp, target)
 
 @patch
-def before_batch(self:Checkpoint):
-    if not self.learn.training: return
-    self._in_batch = True
-    if self._stats_at_start is None: self._keep_stats()
-    if self._stats: torch._foreach_copy_(self._stats_at_start, self._stats)  # its forward will update them
-
-@patch
-def _keep_stats(self:Checkpoint):
-    "Room for BatchNorm's running statistics (once a lazy layer has made its own, in its first forward)."
-    stats = [b for _, m in running_stat_layers(self.model) for b in m.buffers(recurse=False)]
-    if any(torch.nn.parameter.is_lazy(b) for b in stats): return
-    self._stats, self._stats_at_start = stats, [b.clone() for b in stats]
-
-@patch
-def before_step(self:Checkpoint): self._in_step = True
-
-@patch
-def after_batch(self:Checkpoint):
-    self._in_step = self._in_batch = False
-    super(Checkpoint, self).after_batch()
-
-@patch
 def after_fit(self:Checkpoint): self._ended = True
 
 @patch
 def cleanup_fit(self:Checkpoint):
-    if self._ended or self._in_step or self.train_iter == 0: return
-    # An exception inside a batch comes after the batch was drawn and maybe after dropout drew: the random
-    # states to resume from are those of the end of the last whole batch (or of the epoch's start).
-    at_boundary = self.batch_boundary is not None and self.batch_boundary[0] == self.train_iter
-    rng = self.batch_boundary[1] if at_boundary else None  # the learner has left its training phase by now
-    # ... and its forward updated BatchNorm's running statistics: the model goes back to the batch's start
-    if self._in_batch and self._stats:
-        with torch.no_grad(): torch._foreach_copy_(self._stats, self._stats_at_start)
-    self._in_batch, self._ended = False, True  # a later error (a validation alone) finds nothing of this fit's to do
+    learn, fit_state = self.learn, self.learn.fit_state
+    if self._ended or fit_state.train_iter == 0: return
+    if fit_state.in_batch and learn.step.took_step: return  # an error after the batch's step: a step ahead of its history
+    # an error inside a batch comes after its forward, which added the batch to BatchNorm's running statistics: back
+    # to the batch's start (the random states are those of its start too, `learn.fit_state` keeps them)
+    if fit_state.in_batch: learn.step.restore_batch_start()
+    self._ended = True  # a later error (a validation alone) finds nothing of this fit's to do
+    # a Ctrl-C stops every process after the same batch: each gives its random states; after an error, rank 0 alone
+    agreed = isinstance(fit_state.interrupted_by, KeyboardInterrupt) and learn.processes.several
+    if not agreed and process_rank() != 0: return
+    state, path = checkpoint_state(learn, every_rank=agreed), self.folder / 'interrupted.pt'
     if process_rank() != 0: return
-    path = self.learn.save_checkpoint(self.folder / 'interrupted.pt', rng)
-    if not read_checkpoint(path)['progress']['resumable']:  # during a validation: its rows would be incomplete
+    atomic_save(state, path)
+    if not fit_state.progress()['resumable']:  # during a validation: its rows would be incomplete
         resume = self.latest if self.latest.exists() else None
-        print(f"Checkpoint: the fit was interrupted outside a training phase; {path} holds its weights "
+        print(f"Checkpoint: the fit was interrupted during a validation; {path} holds its weights "
               f"(`learn.load_checkpoint(path)`)" + (f", and {resume} the end of its last epoch, to resume from" if resume
                                                     else ''))
         return

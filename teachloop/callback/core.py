@@ -20,7 +20,7 @@ import torch
 from ..core import check_count, default_device, process_count, process_rank, several_processes, to_device
 from fastcore.basics import patch
 
-from ..learner import Callback, Learner, add_default_callbacks
+from ..learner import Callback, Learner, StepSetting, add_default_callbacks, loader_length
 from ..random_state import loader_generators, rng_states, set_rng_states
 from ..optim.core import Optimizer
 
@@ -179,8 +179,9 @@ def _stack(values):
 def _weighted_mean(values, weights):
     "Mean of the tensors `values` weighted by `weights`, as a tensor on the device of the last (nan when empty)."
     if not values: return torch.tensor(float('nan'))
-    stacked = _stack(values).float()
-    w = torch.tensor(weights, dtype=torch.float32, device=stacked.device)
+    stacked = _stack(values)
+    stacked = stacked.to(torch.promote_types(stacked.dtype, torch.float32))  # a float64 fit's losses stay float64
+    w = torch.tensor(weights, dtype=stacked.dtype, device=stacked.device)
     return (stacked * w).sum() / w.sum()
 
 def _hyper_values(opt):
@@ -220,7 +221,7 @@ class Recorder(Callback):
     def reset(self) -> None:
         "Forget the history."
         self._loss_chunks, self._epoch_losses, self._epoch_sizes = [], [], []
-        self.hps, self.values, self.last_valid = defaultdict(list), [], []
+        self.hps, self.values, self.last_valid, self._resumed_epoch = defaultdict(list), [], [], None
         self._start_epoch_row()
         self._start_valid(())
 
@@ -242,7 +243,7 @@ class Recorder(Callback):
     def losses(self) -> list[float]:
         "Training loss of every batch so far, as floats."
         chunks = self._loss_chunks + ([_stack(self._epoch_losses)] if self._epoch_losses else [])
-        return torch.cat([c.float().cpu() for c in chunks]).tolist() if chunks else []
+        return torch.cat([_full_precision(c).cpu() for c in chunks]).tolist() if chunks else []  # a float64 fit's as they are
 
     @property
     def smooth_losses(self) -> list[float]:
@@ -263,7 +264,9 @@ def _start_epoch_row(self:Recorder):
 
 @patch
 def before_train(self:Recorder):
-    self._epoch_losses, self._epoch_sizes = [], []
+    # a fit resumed in the middle of an epoch goes on with the losses of its batches done (see `load_state_dict`)
+    self._epoch_losses, self._epoch_sizes = self._resumed_epoch or ([], [])
+    self._resumed_epoch = None
     self._read_hypers = _hyper_reader(self.opt)
 
 @patch
@@ -419,54 +422,41 @@ class ProgressCallback(Callback):
 add_default_callbacks(DeviceCallback, Recorder, ProgressCallback)
 
 # %% ../../nbs/05_callbacks.ipynb #c026
-class MixedPrecision(Callback):
+class MixedPrecision(StepSetting):
     """Forward pass and loss under `torch.autocast` (`dtype` default: float16 on CUDA, bfloat16 on CPU), with loss scaling for float16.
 
     Args:
         dtype: float16 or bfloat16; None: float16 on CUDA, bfloat16 on the CPU
         sync_free: take a step with an inf back on the device, read later; None: on CUDA
     """
-    order = 10
+    order, parts = 10, ('precision',)  # its `cleanup_fit` settles a step's answer before a Checkpoint (70) saves
     def __init__(self,
                  dtype: torch.dtype | None = None,  # float16 or bfloat16; None: float16 on CUDA, bfloat16 on the CPU
                  sync_free: bool | None = None,  # take a step with an inf back on the device, read later; None: on CUDA
                 ) -> None:
         if sync_free not in (None, True, False): raise ValueError(f"sync_free must be None, True or False, got {sync_free!r}")
         self.dtype, self.sync_free, self.scaler, self._saved_scaler = dtype, sync_free, None, None
-        self.skipped, self._undo, self._pending, self._autocast, self.device_type = 0, None, None, None, None
+        self.skipped, self._undo, self._pending, self.device_type, self._unscaled = 0, None, None, None, False
+
+    def apply_to(self, step):
+        self._choose_types()  # the model's device now: also for a validation or `get_preds` before any fit
+        step.precision = self
 
     def before_fit(self):
-        self._choose_types()
         self.scaler = torch.amp.GradScaler(self.device_type) if self.dtype == torch.float16 else None
         if self.scaler is not None and self._saved_scaler is not None: self.scaler.load_state_dict(self._saved_scaler)
-        self._saved_scaler, self._autocast, self.skipped, self._undo, self._pending = None, None, 0, None, None
-        # A callback that adds up several batches' gradients (GradientAccumulation, below) keeps a batch's only once it
-        # knows they are finite: with one, the answer is waited for on CUDA too, unless `sync_free` says otherwise.
-        accumulated = any(getattr(cb, 'accumulates_grads', False) for cb in self.learn.cbs)
-        self._deferred = self.sync_free if self.sync_free is not None else self.device_type == 'cuda' and not accumulated
+        self._saved_scaler, self.skipped, self._undo, self._pending, self._unscaled = None, 0, None, None, False
+        self._deferred = self.sync_free if self.sync_free is not None else self.device_type == 'cuda'
 
-    def before_batch(self):
-        self._unscaled = False
-        if self.device_type is None: self._choose_types()  # a validation or get_preds before any fit
-        self._autocast = torch.autocast(self.device_type, dtype=self.dtype)
-        self._autocast.__enter__()
+    def autocast(self): return torch.autocast(self.device_type, dtype=self.dtype)
+    def scale(self, loss): return self.scaler.scale(loss) if self.scaler is not None else loss
 
-    def after_loss(self):
-        self._leave_autocast()
-        if self.training and self.scaler is not None: self.learn.loss_grad = self.scaler.scale(self.loss_grad)
-
-    def after_batch(self):
-        self._leave_autocast()
-        # Update the scale once per unscaled batch, here, so that a batch cancelled after its backward updates it too.
+    def end_batch(self):
+        # the scale is updated once per step whose gradients were unscaled, skipped or cancelled too
         if self._unscaled: self.scaler.update()
         self._unscaled = False
-    def _leave_autocast(self):
-        if self._autocast is not None: self._autocast.__exit__(None, None, None)
-        self._autocast = None
 
 # %% ../../nbs/05_callbacks.ipynb #m02
-from ..learner import CancelStepException
-
 @patch
 def _choose_types(self:MixedPrecision):
     "The device type of the model's parameters now and, unless given, the dtype for it."
@@ -477,21 +467,23 @@ def _has_grads(opt):
     return any(p.grad is not None for group in opt.param_groups for p in group['params'])
 
 @patch
-def after_backward(self:MixedPrecision):
-    # A cancelled backward leaves no gradients: then there is nothing to unscale, check or update.
-    if self.scaler is None or not _has_grads(self.opt): return
-    self.scaler.unscale_(self.opt)
+def unscale(self:MixedPrecision, opt):
+    "Divide the step's gradients by the scale (a step whose backward was cancelled has none)."
+    if self.scaler is None or not _has_grads(opt): return
+    self.scaler.unscale_(opt)
     self._unscaled = True
 
 @patch
-def before_step(self:MixedPrecision):
-    if not self._unscaled: return
-    found = sum(self.scaler._found_inf_per_device(self.opt).values())
+def skips(self:MixedPrecision, opt):
+    "Whether the step is skipped: its gradients hold an inf or a NaN (or, sync-free, take it and undo it later)."
+    if not self._unscaled: return False
+    found = sum(self.scaler._found_inf_per_device(opt).values())
     if not self._deferred:
-        if found.item(): self.skipped += 1; raise CancelStepException()
-        return
+        if found.item(): self.skipped += 1
+        return bool(found.item())
     self._settle()  # the last step's answer, on the host by now (it waits only if the GPU is a whole step behind)
-    self._undo = StepUndo(self.opt, found)
+    self._undo = StepUndo(opt, found)
+    return False
 
 # %% ../../nbs/05_callbacks.ipynb #m04
 class StepUndo:
@@ -532,7 +524,8 @@ class StepUndo:
 
 # %% ../../nbs/05_callbacks.ipynb #m06
 @patch
-def after_step(self:MixedPrecision):
+def stepped(self:MixedPrecision):
+    "The optimizer has stepped (the training step calls it): queue, on the device, the undo of a bad step."
     if self._undo is None: return
     self._undo.undo_on_device()
     self._undo, self._pending = None, self._undo
@@ -546,9 +539,7 @@ def _settle(self:MixedPrecision):
     self._pending = None
 
 @patch
-def cleanup_fit(self:MixedPrecision):
-    self._leave_autocast()
-    self._settle()
+def cleanup_fit(self:MixedPrecision): self._settle()
 
 # %% ../../nbs/05_callbacks.ipynb #m08
 @patch
@@ -565,59 +556,21 @@ def load_state_dict(self:MixedPrecision, state):
     self.skipped = state.get('skipped', 0)  # absent from checkpoints written before it was kept
 
 # %% ../../nbs/05_callbacks.ipynb #g02
-class GradientAccumulation(Callback):
+class GradientAccumulation(StepSetting):
     "Step once per `n_acc` training samples, with their mean gradient: the step of one batch of all of them."
-    # After MixedPrecision (10) and NaNCapture (20) check each batch's own gradients, before GradientClipping (30)
-    # clips their sum.
-    order, run_valid = 25, False
-    accumulates_grads = True  # MixedPrecision waits for its check of each batch's gradients (see there)
+    parts = ('n_acc',)
     def __init__(self, n_acc: int = 32) -> None:  # samples per step (of all processes, when several train together)
         check_count('n_acc', n_acc)
-        self.n_acc, self.count, self.grads = n_acc, 0, None  # samples and gradients set aside since the last step
+        self.n_acc = n_acc
 
-    def before_fit(self): self.count, self.grads = 0, None
-    def before_batch(self): self._keeping = False
+    def apply_to(self, step): step.n_acc = self.n_acc
 
-    def after_loss(self):
-        learn = self.learn
-        self._samples = len(learn.yb[0]) * (torch.distributed.get_world_size() if several_processes() else 1)
-        learn.loss_grad = learn.loss_grad * (self._samples / self.n_acc)
+    def check_fit(self):
+        if loader_length(self.dls.train) is None:
+            raise ValueError("GradientAccumulation steps at the last batch of every epoch, which it knows from the "
+                             "training loader's len(): this loader has none")
 
-    def before_step(self):
-        learn, seen = self.learn, self.count + self._samples
-        if seen < self.n_acc and learn.iter < learn.n_iter - 1:
-            self._keeping = learn.keep_grads = True
-            raise CancelStepException()
-        self._add_kept(seen)
-
-    def after_batch(self):
-        if self._keeping: self._set_aside()
-
-    def _params(self): return [p for group in self.opt.param_groups for p in group['params']]
-
-# %% ../../nbs/05_callbacks.ipynb #ga2
-@patch
-def _set_aside(self:GradientAccumulation):
-    "Take the batch's gradients out of `.grad` (a later batch cancelled halfway then cannot reach them) and add them up."
-    grads = [p.grad for p in self._params()]
-    for p in self._params(): p.grad = None
-    self.grads = grads if self.grads is None else [
-        kept if grad is None else grad if kept is None else kept.add_(grad) for kept, grad in zip(self.grads, grads)]
-    self.count += self._samples
-
-@patch
-@torch.no_grad()
-def _add_kept(self:GradientAccumulation, seen):
-    "Before the step: the gradients set aside added to this batch's, scaled to the mean over the `seen` samples."
-    for p, kept in zip(self._params(), self.grads or []):
-        if kept is None: continue
-        kept = kept.to(p.device)  # on the CPU when a resumed fit read them from its checkpoint
-        if p.grad is None: p.grad = kept
-        else: p.grad.add_(kept)
-    if seen != self.n_acc:
-        for p in self._params():
-            if p.grad is not None: p.grad.mul_(self.n_acc / seen)
-    self.count, self.grads = 0, None
+    def __repr__(self): return f"GradientAccumulation({self.n_acc})"
 
 # %% ../../nbs/05_callbacks.ipynb #u02
 @patch
@@ -632,30 +585,20 @@ def _means_over_processes(self:Recorder, columns):
 def _cpu_tensor(tensors): return torch.cat([t.detach().cpu().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
 
 @patch
-def pending_row(self:Recorder):
-    "The row `after_epoch` is about to add, once the epoch's training and validation are over (else None)."
-    validation_due = self.learn.dls.valid is not None and self._valid_row is None
-    return None if self._train_loss is None or validation_due else self._epoch_row()
-
-@patch
-def state_dict(self:Recorder, values=None):
-    "The history: batch losses (those of the epoch in progress apart), hyper-parameters per batch, rows (or `values`)."
+def state_dict(self:Recorder):
+    "The history: batch losses (those of the epoch in progress apart), hyper-parameters per batch, rows."
     return {'losses': _cpu_tensor(self._loss_chunks), 'epoch_losses': _cpu_tensor(self._epoch_losses),
             'epoch_sizes': list(self._epoch_sizes), 'hps': {k: list(v) for k, v in self.hps.items()},
-            'values': [list(r) for r in (self.values if values is None else values)]}
+            'values': [list(r) for r in self.values]}
 
 @patch
 def load_state_dict(self:Recorder, state):
-    "Take the history `state_dict` saved."
+    "Take the history `state_dict` saved; the losses of an epoch under way wait for its training phase to go on."
     self._loss_chunks = [state['losses']] if len(state['losses']) else []
     self.hps = defaultdict(list, {k: list(v) for k, v in state['hps'].items()})
     self.values = [list(r) for r in state['values']]
-    self.load_epoch_in_progress(state)
-
-@patch
-def load_epoch_in_progress(self:Recorder, state):
-    "Take the losses of the epoch in progress that `state_dict` saved (a fit resumed mid-epoch)."
-    self._epoch_losses, self._epoch_sizes = list(state['epoch_losses'].unbind()), list(state['epoch_sizes'])
+    losses = list(state['epoch_losses'].unbind())
+    self._resumed_epoch = (losses, list(state['epoch_sizes'])) if losses else None
 
 # %% ../../nbs/05_callbacks.ipynb #u04n
 @patch
@@ -696,28 +639,3 @@ def _gather_whole_set(metric, processes):
                          "method: with several processes it would see only this process's shard. Use AccumMetric, or "
                          "give it one")
     metric.gather(processes)
-
-# %% ../../nbs/05_callbacks.ipynb #u06
-@patch
-def check_fit(self:GradientAccumulation):
-    if not hasattr(self.dls.train, '__len__'):
-        raise ValueError("GradientAccumulation steps at the last batch of every epoch, which it knows from the "
-                         "training loader's len(): this loader has none")
-    if any(isinstance(cb, MixedPrecision) and cb.sync_free for cb in self.learn.cbs):
-        raise ValueError("MixedPrecision(sync_free=True) steps before it knows whether the gradients are finite; "
-                         "GradientAccumulation must know it before it keeps them: use MixedPrecision(sync_free=None)")
-
-@patch
-def after_cancel_batch(self:GradientAccumulation): self._keeping = False  # the learner cleared its gradients
-
-@patch
-def after_train(self:GradientAccumulation):  # a training phase cut short: its last batches are dropped
-    self.count, self.grads = 0, None
-
-@patch
-def state_dict(self:GradientAccumulation):
-    "The samples and the gradients set aside since the last step: a fit resumed between two steps goes on exactly."
-    return {'count': self.count, 'grads': self.grads}
-
-@patch
-def load_state_dict(self:GradientAccumulation, state): self.count, self.grads = state['count'], state['grads']

@@ -29,7 +29,8 @@ from .core import accuracy
 from ..core import check_count, process_count, process_rank, several_processes
 from ..data import DataLoaders, digits_cnn, load_digits_tensors, tensor_dls
 from .faults import TerminateOnNaN
-from ..learner import Callback, CancelFitException, Learner, OneProcess
+from contextlib import nullcontext
+from ..learner import ONE_PROCESS, Callback, CancelFitException, Learner, StepSetting
 from .nan_capture import NaNCapture
 from ..optim.core import SGD
 from ..random_state import set_seed
@@ -143,6 +144,11 @@ class ProcessGroup:
     def __init__(self, group=None): self.group = group
     def sum(self, tensor): return sum_over_processes(tensor, self.group)
     def any(self, flag): return any_process(flag, self.group)
+    def gather(self, value):
+        "Every process's `value` (any object that pickles), in rank order, in each process."
+        found = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(found, value, group=self.group)
+        return found
 
 def check_world():
     "Raise `ValueError` if the environment says several processes train together but this one has not joined them."
@@ -152,24 +158,27 @@ def check_world():
                          "`init_distributed()` (or torch.distributed.init_process_group) before training")
 
 # %% ../../nbs/15_distributed.ipynb #c022
-class DistributedTrainer(Callback):
+class DistributedTrainer(StepSetting):
     """Train as one of the processes of torch.distributed: DDP averages the gradients; losses, Ctrl-C and NaN are agreed on.
 
     Args:
         agree_every: training steps between two exchanges of the losses and of a Ctrl-C
         sync_bn: BatchNorm layers normalise with the global batch's statistics (see below)
     """
-    order = 45  # after NaNCapture (20); before the Recorder (50), which reads the losses this callback sums
+    order, parts = 45, ('parallel',)  # before the Recorder (50), which reads the losses this callback averages
     def __init__(self,
                  agree_every=8,  # training steps between two exchanges of the losses and of a Ctrl-C
                  sync_bn=False,  # BatchNorm layers normalise with the global batch's statistics (see below)
                 ):
         check_count('agree_every', agree_every)
         self.agree_every, self._ddp, self._quietened, self._joined, self.rank, self.world_size = agree_every, None, [], False, 0, 1
-        self.distributed, self._ddp_clean, self._made_host_group = False, False, False
+        self.distributed, self._ddp_clean, self._made_host_group, self.processes = False, False, False, ONE_PROCESS
         self.sync_bn, self._batch_norms, self._synced_kind = sync_bn, [], None
         self._agreed = (signal.SIGINT, None)  # the Ctrl-C that every rank knows of, delivered by the learner's gate
         self._reset_messages()
+
+    def apply_to(self, step):
+        if dist.is_available() and dist.is_initialized(): step.parallel = self  # the training step's processes
 
     def before_fit(self):
         self._join()
@@ -182,9 +191,14 @@ class DistributedTrainer(Callback):
             self._ddp = DistributedDataParallel(self.model, device_ids=_device_ids(device))
             # a hook in Python costs a little on every step: in a world of 1 the message goes on its own (`_receive`)
             if self.world_size > 1: self._ddp.register_comm_hook(self, _carry_messages)
-        self.learn.training_module, self._ddp_clean = self._ddp, False
-        self.learn.interrupts.defer = self._defer_interrupt  # a Ctrl-C noted after this callback's `after_batch`
-        if self.world_size > 1: self.learn.stop_agreement = self._request_stop  # a stop request reaches every rank too
+        self._ddp_clean = False
+
+    @property
+    def module(self): return self._ddp  # what the training step calls on a training batch
+
+    def gradient_sync(self, due):
+        "The backward of a batch: its gradients summed over the processes only when it ends the step (DDP's `no_sync`)."
+        return nullcontext() if due else self._ddp.no_sync()
 
     def before_train(self): self.learn.dls.train.sampler.set_epoch(self.learn.epoch)
 
@@ -197,7 +211,7 @@ def _join(self:DistributedTrainer):
     self.distributed = dist.is_available() and dist.is_initialized()  # a world of 1 with a group trains through DDP too
     if self.rank != 0: self._quieten()
     if not self.distributed: return
-    self.learn.processes = ProcessGroup(self._host())
+    self.processes = ProcessGroup(self._host())  # `learn.processes`, through the training step
 
 def _device_ids(device): return [device.index] if device.type == 'cuda' else None
 
@@ -218,16 +232,17 @@ def distributed(self:Learner,
     shards = shard_dls(self.dls, process_rank(), process_count(), seed)  # checks the loaders before anything changes
     if sync_bn: check_batch_norms(self.model)
     own = self.dls
-    with self.added_cbs([DistributedTrainer(sync_bn=sync_bn)]) as (callback,):
-        self.dls = shards
-        try:
-            yield callback
-            callback._agree_on('leave')  # a rank still validating or fitting hears of it, instead of waiting forever
-        finally:
-            self.dls = own
-            callback.restore_shown()  # after the fits' last events: a dashboard saves its picture in `cleanup_fit`
-            self.processes = OneProcess()  # also after a validation alone in the block, which ends with no `cleanup_fit`
-            callback.restore_batch_norms()
+    try:
+        with self.added_cbs([DistributedTrainer(sync_bn=sync_bn)]) as (callback,):
+            self.dls = shards
+            try:
+                yield callback
+                callback._agree_on('leave')  # a rank still validating or fitting hears of it, instead of waiting forever
+            finally:
+                self.dls = own
+                callback.restore_shown()  # after the fits' last events: a dashboard saves its picture in `cleanup_fit`
+                callback.restore_batch_norms()
+    finally: self.step.configure(self.cbs)  # one process again, also after a validation alone in the block
 
 # %% ../../nbs/15_distributed.ipynb #c026
 def digits_fit(bs=32,  # items per batch in each process (the global batch is `bs` times the processes)
@@ -362,10 +377,6 @@ def _reset_messages(self:DistributedTrainer):
     self._sent, self._outgoing, self._incoming, self._flag = [], None, None, None
 
 @patch
-def before_batch(self:DistributedTrainer):
-    if self._stop_agreed: raise CancelFitException()  # in every rank, before the same batch
-
-@patch
 def before_backward(self:DistributedTrainer):
     learn = self.learn  # read directly: this runs every batch
     if not self.distributed: return
@@ -398,9 +409,7 @@ def after_fit(self:DistributedTrainer):
 
 @patch
 def cleanup_fit(self:DistributedTrainer):
-    self.learn.processes = OneProcess()
-    self.learn.training_module, self.learn.interrupts.defer, self._joined = None, None, False
-    self.learn.stop_agreement = None
+    self._joined = False  # its processes stay `learn.processes` for what runs after this fit's clean-up
     self._reset_messages()  # a fit ended by an error may leave a message the other ranks will never answer
 
 # %% ../../nbs/15_distributed.ipynb #c023
@@ -428,16 +437,18 @@ def _hold_interrupt(self:DistributedTrainer, gate):
     if gate.pending is not None: self._here, gate.pending = True, None
 
 @patch
-def _defer_interrupt(self:DistributedTrainer, pending):
-    "The gate's `defer`: keep a Ctrl-C that came to this rank alone for the next message; deliver the agreed one."
+def defer_interrupt(self:DistributedTrainer, pending):
+    "Whether the gate waits with a Ctrl-C: one that came to this rank alone goes with the next message; the agreed one is delivered."
     if pending is self._agreed: return False
     self._here = True
     return True
 
 @patch
-def _request_stop(self:DistributedTrainer):
-    "The learner's `stop_agreement`: a stop requested in this rank goes with the next message, and every rank stops."
-    self._stop_here = True
+def stop_due(self:DistributedTrainer, requested, epoch_end=False):
+    "Whether every rank stops now: a stop `requested` here goes with the next message; at an epoch's end the ranks agree at once."
+    if requested: self._stop_here = True
+    if epoch_end and not self._stop_agreed: self._stop_agreed = any_process(requested, self._host())
+    return self._stop_agreed
 
 # %% ../../nbs/15_distributed.ipynb #u13
 @patch

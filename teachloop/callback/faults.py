@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 
 from ..core import check_count
-from ..learner import Callback, CancelFitException
+from ..learner import Callback, CancelFitException, StepSetting
 from ..random_state import set_seed
 
 # %% auto #0
-__all__ = ['TerminateOnNaN', 'GradientClipping', 'CheckBatch']
+__all__ = ['GradientClip', 'TerminateOnNaN', 'GradientClipping', 'CheckBatch']
 
 # %% ../../nbs/14_faults.ipynb #c009
 class TerminateOnNaN(Callback):
@@ -36,16 +36,18 @@ class TerminateOnNaN(Callback):
             raise CancelFitException()
 
 # %% ../../nbs/14_faults.ipynb #c011
-class GradientClipping(Callback):
+class GradientClipping(StepSetting):
     "Clip the gradients' joint norm to `max_norm` before each optimizer step."
-    order = 30
+    parts = ('max_norm', 'norm_type')
     def __init__(self, max_norm=1., norm_type=2.):
         if not isinstance(max_norm, (int, float)) or isinstance(max_norm, bool) or max_norm <= 0:
             raise ValueError(f"max_norm must be a number > 0, got {max_norm!r}")
         self.max_norm, self.norm_type = max_norm, norm_type
 
-    def before_step(self):
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_norm, self.norm_type, foreach=True)
+    def apply_to(self, step): step.max_norm, step.norm_type = self.max_norm, self.norm_type
+    def __repr__(self): return f"GradientClipping(max_norm={self.max_norm})"
+
+GradientClip = GradientClipping  # fastai's name
 
 # %% ../../nbs/14_faults.ipynb #c015
 def _count_nonfinite(t):

@@ -14,7 +14,7 @@ import torch
 from fastcore.basics import patch
 
 from ..core import atomic_save, check_count, check_save_path, several_processes, to_device
-from ..learner import Callback, CancelFitException, restore_training_state
+from ..learner import Callback, CancelFitException, StepSetting, restore_training_state
 from ..random_state import rng_readers, same_state, saveable_rng, set_rng_states
 
 # %% auto #0
@@ -45,7 +45,7 @@ def nonfinite_grads(named_params):
     return [name for name, p in named_params if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
 
 # %% ../../nbs/12_nan_capture.ipynb #c016
-class NaNCapture(Callback):
+class NaNCapture(StepSetting):
     """Before each optimizer step check the gradients; on a NaN or infinity save the step to `path` and stop the fit.
 
     Args:
@@ -54,7 +54,7 @@ class NaNCapture(Callback):
         rngs: which random states to keep at every step: 'auto' or 'every_step' (see under the hood)
         sync_free: read each check's answer later instead of waiting for it; None: on a GPU with check_every > 1
     """
-    order, run_valid = 20, False
+    order, parts = 20, ('check',)  # the training step's check of its gradients; settled before a Checkpoint (70) saves
     def __init__(self,
                  path,  # file to write the captured step to, or a folder (the file is then `nan-capture[-rank<r>].pt` in it)
                  check_every=1,  # check every this many training steps (see under the hood, at the end)
@@ -70,17 +70,19 @@ class NaNCapture(Callback):
         self.check_every, self.rngs, self.sync_free = check_every, rngs, sync_free
         self.name, self.captured, self._readers, self._pending = 'nan_capture', None, rng_readers(), None
 
+    def apply_to(self, step): step.check = self
+
     @property
     def step_rngs(self):
         "The generators whose states are read at the start of every checked step (all of them until the first has run)."
         return list(self._readers)
 
 # %% ../../nbs/12_nan_capture.ipynb #u02
-# the two handlers below run at every training step: they read the learner directly and write into `_kept`,
+# the training step calls these at every training batch: they read the learner directly and write into `_kept`,
 # since falling through `self.<name>` to the learner and the warning check of callback attributes cost time here
 @patch
-def before_batch(self:NaNCapture):
-    learn = self.learn
+def begin_batch(self:NaNCapture, learn):
+    "A training batch begins: keep the batch and the random states of a batch that is checked."
     if self._pending is not None and self._pending.ready(): self._resolve()
     if learn.train_iter % self.check_every: return
     kept = self._kept
@@ -88,22 +90,46 @@ def before_batch(self:NaNCapture):
     if self._stat_layers: kept.running_stats = self._running_stats(copy=True)
 
 @patch
-def before_step(self:NaNCapture):
-    if self.learn.train_iter % self.check_every: return
-    if self._probe: self._end_probe()
-    grads = [g for p in self._params if (g := p.grad) is not None]
+def check(self:NaNCapture, opt):
+    "Before the optimizer step: check the step's gradients, and capture the step at the first non-finite one."
+    grads = self._checked_grads()
     if not grads: return
     if self._deferred_check is None:
-        finite = self._check(grads)
-        processes = self.learn.processes  # several train together: did any of them find a non-finite gradient?
-        if processes.several: finite = not processes.any(not finite)
-        if not finite: self._capture(nonfinite_grads(self._named))
+        self._check_now(grads)
         return
     if self._pending is not None: return  # the previous answer is still on its way: no second copy, no waiting
     names = [n for n, p in self._named if p.grad is not None]
     live = (self.model.state_dict(), self.opt.state_dict())
     self._pending = PendingCheck(grads, names, self._step_record(copy=True, states=live), live, self._deferred_check)
     self._undo_due = True
+
+# %% ../../nbs/12_nan_capture.ipynb #u02b
+@patch
+def check_batch(self:NaNCapture, opt):
+    "A batch that does not end its step (gradient accumulation): check its own gradients before they are set aside."
+    grads = self._checked_grads()
+    if grads: self._check_now(grads)
+
+@patch
+def _checked_grads(self:NaNCapture):
+    "The gradients to check at this batch ([] when the batch is not checked, `check_every`)."
+    if self.learn.train_iter % self.check_every: return []
+    if self._probe: self._end_probe()
+    return [g for p in self._params if (g := p.grad) is not None]
+
+@patch
+def _check_now(self:NaNCapture, grads):
+    finite = self._check(grads)
+    processes = self.learn.processes  # several train together: did any of them find a non-finite gradient?
+    if processes.several: finite = not processes.any(not finite)
+    if not finite: self._capture(nonfinite_grads(self._named))
+
+@patch
+def stepped(self:NaNCapture):
+    "The optimizer has stepped (the training step calls it): a step checked without waiting is undone on the device if it was bad."
+    if self._undo_due:  # the step just taken was checked without waiting: undo it on the device if it was bad
+        self._undo_due = False
+        self._pending.undo_if_bad()
 
 # %% ../../nbs/12_nan_capture.ipynb #u04
 @patch
@@ -173,7 +199,8 @@ def before_fit(self:NaNCapture):
     devices = {p.device for p in self._params}
     device = devices.pop() if len(devices) == 1 else None
     deferred = self.sync_free if self.sync_free is not None else (
-        self.check_every > 1 and getattr(device, 'type', '') == 'cuda' and not several_processes())
+        self.check_every > 1 and getattr(device, 'type', '') == 'cuda' and not several_processes()
+        and self.learn.step.n_acc is None)  # a step of several batches checks each batch's own gradients, waiting
     if deferred and device is None:
         raise ValueError("NaNCapture(sync_free=True) needs every trained parameter on one device; "
                          "use sync_free=False for this model")
@@ -378,12 +405,6 @@ class PendingCheck:
         return [n for n, g in zip(self.names, self.grads) if not bool(torch.isfinite(g).all())]
 
 # %% ../../nbs/12_nan_capture.ipynb #u16
-@patch
-def after_step(self:NaNCapture):
-    if self._undo_due:  # the step just taken was checked without waiting: undo it on the device if it was bad
-        self._undo_due = False
-        self._pending.undo_if_bad()
-
 @patch
 def _resolve(self:NaNCapture):
     "Read the pending check's answer; if its step had non-finite gradients, go back to before that step and stop."

@@ -628,19 +628,17 @@ def state_restored(learn):
         set_rng_states(rng, warn=False)
         for generator, state in loader_states: generator.set_state(state)
 
-# Where the last fit got to: a checkpoint written after `lr_find` must describe that fit, not the range test.
-_PROGRESS_ATTRS = ('n_epoch', 'epoch', 'iter', 'n_iter', 'train_iter', 'pct_train', 'start_epoch')
-
 @contextmanager
 def _history_kept(learn):
-    "The last fit's history (the Recorder's, and the learner's progress counters) is there again after the block."
+    "The last fit's history (the Recorder's, and where the fit got to) is there again after the block."
     recorder = next((cb for cb in learn.cbs if cb.name == 'recorder'), None)
     saved = dict(recorder.__dict__) if recorder is not None else None  # `reset` rebinds, never empties, its lists
-    progress = {name: getattr(learn, name) for name in _PROGRESS_ATTRS}
+    # a checkpoint written after `lr_find` must describe the last fit, not the range test: its state comes back whole
+    fit_state = copy.copy(learn.fit_state)
     try: yield
     finally:
         if recorder is not None: recorder.__dict__.update(saved)
-        for name, value in progress.items(): setattr(learn, name, value)
+        learn.fit_state = fit_state
 
 @contextmanager
 def _rows_hidden(learn):
@@ -655,8 +653,7 @@ def _rows_hidden(learn):
 def _acts_on_the_fit(cb):
     "Whether `cb` would record, write, steer or stop a range test: an observer, a hyper-parameter writer, a tracker."
     if cb.name in ('recorder', 'progress'): return False
-    writes = callable(getattr(type(cb), 'hypers_written', None)) and cb.hypers_written()
-    return cb.observes or bool(writes) or type(cb).caught_up is not Callback.caught_up
+    return cb.observes or bool(cb.hypers_written()) or callable(getattr(type(cb), 'after_epoch', None))
 
 @contextmanager
 def _set_aside(learn):

@@ -61,7 +61,7 @@ class TrackerCallback(Callback):
                              f"'auto' (read from the monitored name), got {mode!r}")
         if not isinstance(min_delta, (int, float)) or min_delta < 0: raise ValueError(f"min_delta must be >= 0, got {min_delta!r}")
         self.monitor, self.mode, self.min_delta = monitor, monitor_mode(monitor) if mode == 'auto' else mode, min_delta
-        self.best, self.improved, self.wait, self.epochs_seen = None, False, 0, 0
+        self.best, self.improved, self.wait = None, False, 0
 
     def before_fit(self):
         if not any(cb.name == 'recorder' for cb in self.learn.cbs):
@@ -70,22 +70,18 @@ class TrackerCallback(Callback):
         if self.monitor not in names: raise ValueError(f"monitor {self.monitor!r} is not recorded; choose one of {names}")
         self._index = self.recorder.metric_names.index(self.monitor)
         self.best, self.improved, self.wait = (math.inf if self.mode == 'min' else -math.inf), False, 0
-        self.epochs_seen = 0
 
     def after_epoch(self):
-        # counted first: a checkpoint taken before this runs is one this callback has not finished (`caught_up`)
-        self.epochs_seen = self.epoch + 1
         value = self.recorder.values[-1][self._index]
         if self.mode == 'min': self.improved = value < self.best - self.min_delta
         else: self.improved = value > self.best + self.min_delta
         if self.improved: self.best, self.wait = value, 0
         else: self.wait += 1
 
-    def state_dict(self): return {k: getattr(self, k) for k in ('best', 'wait', 'epochs_seen', 'monitor', 'mode')}
+    def state_dict(self): return {k: getattr(self, k) for k in ('best', 'wait', 'monitor', 'mode')}
     def load_state_dict(self, state):
         self.check_state_dict(state)  # another monitor's state is refused (under the hood, below)
-        self.best, self.wait, self.epochs_seen = state['best'], state['wait'], state.get('epochs_seen', math.inf)
-    def caught_up(self, epochs_done): return self.epochs_seen >= epochs_done  # a checkpoint's `behind` (notebook 13)
+        self.best, self.wait = state['best'], state['wait']
 
 # %% ../../nbs/13a_trackers.ipynb #c030
 class SaveModel(TrackerCallback):
@@ -124,7 +120,7 @@ class EarlyStopping(TrackerCallback):
             self.best_weights = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         if self.wait >= self.patience:
             self.stopped_epoch = self.epoch
-            raise CancelFitException()
+            self.learn.stop()  # once every callback has heard this epoch's end: the loggers record it too
 
     def after_fit(self):
         if self.restore_best and self.best_weights is not None: self.model.load_state_dict(self.best_weights)

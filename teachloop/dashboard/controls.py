@@ -95,6 +95,9 @@ class SteeringCallback(Callback):
         self.keep_steered, self.changes, self.paused_seconds = keep_steered, [], 0.
         self._held, self._version, self._found, self._applied = {}, 0, {}, {}
 
+    def hypers_written(self):  # it sets what a slider holds, over a schedule's value, on purpose
+        return {'*': 'every batch while a slider is held, over the other writers'}
+
     def show(self):
         "Display the callback's widgets, if it has any (called in the thread that starts a background fit)."
 
@@ -105,21 +108,20 @@ class SteeringCallback(Callback):
 
     def before_batch(self):
         controls = self.controls
-        if controls.paused and self.learn.stop_agreement is not None:  # several processes: the others would wait
+        if controls.paused and self.learn.processes.several:  # several processes: the others would wait
             warnings.warn("a pause is not applied while several processes train together: the others would wait for "
                           "this one in their next collective until it times out. Stop the fit instead")
             controls.unpause()
         if controls.paused: self._wait_while_paused()
         if controls.stop_requested:
-            agreement = self.learn.stop_agreement
-            if agreement is None: raise CancelFitException()
-            agreement()  # several processes train together: all of them stop, before the same batch
+            if not self.learn.processes.several: raise CancelFitException()  # before this batch
+            self.learn.stop()  # several processes: every one of them stops, after the same batch
         if not self.learn.training: return
         if controls.version != self._version: self._take_requests()
         for name, value in self._held.items(): self._apply(name, value)
 
-    def after_validate(self):  # several processes: a stop requested while validating reaches the others before training
-        if self.controls.stop_requested and self.learn.stop_agreement is not None: self.learn.stop_agreement()
+    def after_validate(self):  # a stop requested while validating: the fit ends before its next epoch
+        if self.controls.stop_requested: self.learn.stop()
 
     def _apply(self, name, value):
         "Set `name` to the held `value`, noting first what the optimizer would have without the steering."
@@ -137,12 +139,13 @@ class SteeringCallback(Callback):
     def cleanup_fit(self):
         if not self.keep_steered:
             for name, values in self._found.items(): self.learn.opt.set_hyper(name, values)
+        elif 'lr' in self._held: self.learn.lr = self._held['lr']  # a fit without `lr` trains at the learner's
         self._found, self._applied = {}, {}
         self.controls.finish_fit()
 
     def _take_requests(self):
         hypers, self._version = self.controls.requested_hypers()
-        if hypers and self.learn.stop_agreement is not None:  # several processes: only this one would change
+        if hypers and self.learn.processes.several:  # several processes: only this one would change
             warnings.warn(f"hyper-parameter requests {hypers} are not applied: several processes train together and "
                           "only this one would train with them. Set them for every process: `fit(..., lr=...)`")
             self.controls.clear_requests()

@@ -373,6 +373,7 @@ class Optimizer(torch.optim.Optimizer):
         defaults: hyper-parameters shared by all groups (`lr`, `mom`, ...)
     """
     kept_in_groups = ()  # names of values a subclass keeps in each group (state, not hyper-parameters)
+    hyper_written = None  # `f(name)` told of every `set_hyper` (a fit's learner watches who writes what)
     def __init__(self,
                  params: Params,  # tensors, lists of tensors (one list per group), or torch-style group dicts
                  cbs: Iterable[Callable],  # optimizer callbacks, run in this order on each parameter at every step
@@ -499,6 +500,7 @@ class Optimizer(torch.optim.Optimizer):
         values = spread_hyper(value, len(self.param_groups))
         for v in values: check_hyper(name, v)
         for group, v in zip(self.param_groups, values): group[name] = v
+        if self.hyper_written is not None: self.hyper_written(name)
 
     def __repr__(self):
         cbs = ', '.join(_callback_name(cb) for cb in self.cbs)

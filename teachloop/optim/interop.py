@@ -56,6 +56,7 @@ class OptimWrapper:
         lr: learning rate
         kwargs: other arguments of `opt`, in its own names (`betas`, `weight_decay`, ...)
     """
+    hyper_written = None  # `f(name)` told of every `set_hyper` (a fit's learner watches who writes what)
     def __init__(self,
                  params: Params,  # tensors, lists of tensors (one per group) or torch-style group dicts
                  opt: type[torch.optim.Optimizer],  # a torch.optim optimizer class, e.g. `torch.optim.AdamW`
@@ -89,6 +90,7 @@ class OptimWrapper:
         values = spread_hyper(value, len(self.opt.param_groups))
         for v in values: check_hyper(name, v)
         for group, v in zip(self.opt.param_groups, values): write_hyper(group, torch_location(group, name), v)
+        if self.hyper_written is not None: self.hyper_written(name)
 
     def __repr__(self): return f"OptimWrapper({type(self.opt).__name__}, hypers={self.hypers})"
 

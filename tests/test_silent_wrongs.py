@@ -82,7 +82,7 @@ def test_save_model_loads_nothing_when_no_epoch_was_recorded(tmp_path):
 
 
 NEGATED = ['neg_mean_squared_error', 'neg_log_loss', 'neg_root_mean_squared_error', 'neg_mean_absolute_error',
-           'neg_brier_score', 'neg_mean_poisson_deviance', 'neg_median_absolute_error']
+           'neg_brier_score', 'neg_mean_poisson_deviance', 'neg_median_absolute_error', 'd2_log_loss_score']
 
 
 @pytest.mark.parametrize('name', NEGATED)
@@ -121,3 +121,13 @@ def test_early_stopping_on_a_negated_score_restores_its_best_epoch():
     best = max(range(len(scores)), key=scores.__getitem__)
     assert scores[-1] < scores[best] and best == len(scores) - 2
     assert all(torch.equal(v, keeper.weights[best][k]) for k, v in learn.model.state_dict().items())
+
+
+def test_no_scikit_learn_scorer_is_read_as_lower_is_better():
+    "scikit-learn's scorers are all higher-is-better by its convention: their names may ask for `mode`, never say 'min'."
+    from sklearn.metrics import get_scorer_names
+    def judged(name):
+        try: return monitor_mode(name)
+        except ValueError: return 'asks for mode'
+    said = {name: judged(name) for name in get_scorer_names()}
+    assert 'min' not in said.values() and sum(mode == 'max' for mode in said.values()) > 40

@@ -25,14 +25,15 @@ __all__ = ['LOWER_IS_BETTER', 'HIGHER_IS_BETTER', 'monitor_mode', 'TrackerCallba
            'ReduceLROnPlateau', 'EarlyStoppingCallback', 'SaveModelCallback']
 
 # %% ../../nbs/13a_trackers.ipynb #m01
-LOWER_IS_BETTER = {'loss', 'error', 'err', 'mse', 'rmse', 'mae', 'perplexity', 'brier'}
+LOWER_IS_BETTER = {'loss', 'error', 'err', 'mse', 'rmse', 'mae', 'msle', 'perplexity', 'brier'}
 HIGHER_IS_BETTER = {'accuracy', 'acc', 'f1', 'fbeta', 'auc', 'roc', 'precision', 'recall', 'r2', 'dice', 'iou',
-                    'jaccard', 'score'}
+                    'jaccard', 'corrcoef', 'mcc', 'explained', 'score'}
 
 def monitor_mode(monitor):
     "'min' or 'max' for the recorded value named `monitor`, from the words of the name; `ValueError` if they do not say."
     if not isinstance(monitor, str): raise TypeError(f"monitor must be a recorded value's name, got {monitor!r}")
-    if monitor.startswith('neg_'): return 'max'  # scikit-learn's negated scores ('neg_log_loss'): higher is better
+    # scikit-learn's scores of an error: negated ('neg_log_loss') or the share of it explained ('d2_log_loss_score')
+    if monitor.startswith(('neg_', 'd2_')): return 'max'
     words = set(re.findall(r'[a-z0-9]+', re.sub(r'([a-z0-9])([A-Z])', r'\1_\2', monitor).lower()))
     lower, higher = words & LOWER_IS_BETTER, words & HIGHER_IS_BETTER
     if lower: higher -= {'score'}  # a score of something to lower: the Brier score

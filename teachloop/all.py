@@ -25,6 +25,7 @@ from .metrics import *
 from .callback.loggers import *
 from .callback.schedule import *
 from .callback.schedule_free import *
+from .fine_tune import *
 from .diagnostics.effective_lr import *
 from .diagnostics.sharpness import *
 from .diagnostics.layer_stats import *
@@ -47,7 +48,7 @@ from .dashboard.live import *
 MODULES = tuple(importlib.import_module(f'teachloop.{name}') for name in (
     'core', 'random_state', 'data', 'figures', 'optim.core', 'optim.more', 'optim.recent', 'optim.fast', 'optim.interop',
     'lessons.momentum', 'lessons.optimizer_builder', 'learner', 'callback.core', 'metrics', 'callback.loggers',
-    'callback.schedule', 'callback.schedule_free', 'diagnostics.effective_lr', 'diagnostics.sharpness',
+    'callback.schedule', 'callback.schedule_free', 'fine_tune', 'diagnostics.effective_lr', 'diagnostics.sharpness',
     'diagnostics.layer_stats', 'callback.nan_capture', 'callback.checkpoint', 'callback.tracker', 'inference',
     'callback.faults', 'testing', 'callback.distributed', 'lessons.race',
     'dashboard.controls', 'dashboard.buffers', 'dashboard.plot', 'dashboard.widget', 'dashboard.live'))

@@ -21,9 +21,11 @@ from .lessons.momentum import *
 from .lessons.optimizer_builder import *
 from .learner import *
 from .callback.core import *
+from .metrics import *
 from .callback.loggers import *
 from .callback.schedule import *
 from .callback.schedule_free import *
+from .fine_tune import *
 from .diagnostics.effective_lr import *
 from .diagnostics.sharpness import *
 from .diagnostics.layer_stats import *
@@ -45,8 +47,8 @@ from .dashboard.live import *
 # the modules above, in the same (course) order: the API reference lists them so
 MODULES = tuple(importlib.import_module(f'teachloop.{name}') for name in (
     'core', 'random_state', 'data', 'figures', 'optim.core', 'optim.more', 'optim.recent', 'optim.fast', 'optim.interop',
-    'lessons.momentum', 'lessons.optimizer_builder', 'learner', 'callback.core', 'callback.loggers',
-    'callback.schedule', 'callback.schedule_free', 'diagnostics.effective_lr', 'diagnostics.sharpness',
+    'lessons.momentum', 'lessons.optimizer_builder', 'learner', 'callback.core', 'metrics', 'callback.loggers',
+    'callback.schedule', 'callback.schedule_free', 'fine_tune', 'diagnostics.effective_lr', 'diagnostics.sharpness',
     'diagnostics.layer_stats', 'callback.nan_capture', 'callback.checkpoint', 'callback.tracker', 'inference',
     'callback.faults', 'testing', 'callback.distributed', 'lessons.race',
     'dashboard.controls', 'dashboard.buffers', 'dashboard.plot', 'dashboard.widget', 'dashboard.live'))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib
 import io
 import json
 import logging
@@ -16,24 +17,29 @@ import math
 import os
 import re
 import sys
+import warnings
 import zipfile
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import safetensors
+import safetensors.torch
 import torch
 from fastcore.basics import patch
 from torch import nn
 
 from .core import atomic_write, check_save_path
 from .data import DataLoaders
-from .learner import LOSS_ACTIVATIONS, Learner, loss_activation, loss_decodes
+from .learner import LOSS_ACTIVATIONS, Learner, check_state_matches, loss_activation, loss_decodes
 from .random_state import loader_generators, rng_states, set_rng_states
 
 # %% auto #0
-__all__ = ['EXPORT_FORMAT', 'FACTS_FILE', 'PREDICTION_FUNCTIONS', 'prediction_names', 'inference_facts', 'export_model',
-           'ExportedModel', 'StoredActivation', 'InferenceLearner', 'load_learner', 'first_batch', 'example_inputs',
-           'check_inputs', 'function_named', 'export_failure', 'write_program', 'read_export', 'check_archive']
+__all__ = ['EXPORT_FORMAT', 'FACTS_FILE', 'PREDICTION_FUNCTIONS', 'prediction_names', 'inference_facts', 'dynamic_shapes',
+           'export_model', 'on_cpu', 'program_inputs', 'ExportedModel', 'StoredActivation', 'InferenceLearner',
+           'load_learner', 'first_batch', 'example_inputs', 'check_inputs', 'check_dynamic', 'function_named',
+           'export_failure', 'write_program', 'read_export', 'check_archive', 'model_class', 'class_path',
+           'check_rebuilds', 'export_weights', 'read_weights_export', 'is_weights_file', 'probed_inputs']
 
 # %% ../nbs/13b_export.ipynb #e021
 EXPORT_FORMAT = 'teachloop-inference'  # the `format` entry of the facts, checked when they are read
@@ -60,19 +66,43 @@ def inference_facts(learn, inputs, vocab=None):
             'inputs': [{'shape': list(x.shape[1:]), 'dtype': str(x.dtype).removeprefix('torch.')} for x in inputs]}
 
 # %% ../nbs/13b_export.ipynb #e031
-def export_model(model, inputs):
-    "The `torch.export` program of `model`, in eval mode and on the CPU, for `inputs` with any number of items."
-    model = getattr(model, '_orig_mod', model)  # a `torch.compile`d model: export the model it wraps
-    if any(t.device.type != 'cpu' for t in [*model.parameters(), *model.buffers()]): model = copy.deepcopy(model).cpu()
-    inputs = tuple(x.cpu() for x in inputs)
+def dynamic_shapes(inputs, dynamic='auto'):
+    "torch.export's `dynamic_shapes` for `inputs`: the batch free; past it, what `dynamic` says (see `Learner.export`)."
+    check_dynamic(dynamic, inputs)  # under the hood
+    free = (torch.export.Dim.AUTO, torch.export.Dim.DYNAMIC)[dynamic not in ('auto', 'batch')]
+    dims = [[] if dynamic == 'batch' else range(1, x.ndim) if dynamic == 'auto' else d for x, d in
+            zip(inputs, dynamic if isinstance(dynamic, (list, tuple)) else [None] * len(inputs))]
     batch = torch.export.Dim('batch')
+    return tuple({0: batch, **dict.fromkeys(d, free)} for d in dims)
+
+def export_model(model, inputs, dynamic='auto'):
+    "The `torch.export` program of `model`, in eval mode and on the CPU, for `inputs` with any number of items."
+    model, inputs = on_cpu(model), tuple(x.cpu() for x in inputs)
+    shapes = dynamic_shapes(inputs, dynamic)
     was_training = model.training
     model.eval()
     try:
         with _quiet_tracer():
-            return torch.export.export(model, inputs, dynamic_shapes=tuple({0: batch} for _ in inputs))
+            return torch.export.export(model, inputs, dynamic_shapes=shapes)
     except Exception as e: raise RuntimeError(export_failure(e)) from e
     finally: model.train(was_training)
+
+def on_cpu(model):
+    "`model` itself (a `torch.compile`d one: the model it wraps) when it is on the CPU, else a copy on the CPU."
+    model = getattr(model, '_orig_mod', model)
+    return model if all(t.device.type == 'cpu' for t in [*model.parameters(), *model.buffers()]) else copy.deepcopy(model).cpu()
+
+# %% ../nbs/13b_export.ipynb #e031c
+def program_inputs(program):
+    "The shapes past the batch and the dtypes of `program`'s inputs: a size where fixed, [least, most] where free."
+    user = [s.arg.name for s in program.graph_signature.input_specs if s.kind == torch.export.graph_signature.InputKind.USER_INPUT]
+    values = {node.name: node.meta['val'] for node in program.graph.nodes if node.op == 'placeholder'}
+    def size(d):
+        if isinstance(d, int) or d.node.expr.is_number: return int(d)  # fixed (by the trace, or given so)
+        bounds = program.range_constraints[d.node.expr]
+        return [int(bounds.lower), None if math.isinf(float(bounds.upper)) else int(bounds.upper)]
+    return [{'shape': [size(d) for d in values[name].shape[1:]], 'dtype': str(values[name].dtype).removeprefix('torch.')}
+            for name in user]
 
 # %% ../nbs/13b_export.ipynb #e041
 @patch
@@ -80,6 +110,8 @@ def export(self:Learner,
            path: os.PathLike | str = 'export.pt2',  # the file to write (a folder: `export.pt2` in it)
            vocab: Sequence[str] | None = None,  # the names of the classes, in the order of the model's outputs
            example: torch.Tensor | Sequence[torch.Tensor] | None = None,  # a batch (None: the first validation batch)
+           dynamic: str | Sequence[Sequence[int]] = 'auto',  # the free sizes past the batch: 'auto', 'batch', or per input
+           init_args: dict[str, Any] | None = None,  # the model's constructor arguments: a weights file if it cannot trace
           ) -> Path:
     """Write what inference needs to `path`: the model as a `torch.export` program, and `inference_facts` as JSON.
 
@@ -87,12 +119,23 @@ def export(self:Learner,
         path: the file to write (a folder: `export.pt2` in it)
         vocab: the names of the classes, in the order of the model's outputs
         example: a batch (None: the first validation batch)
+        dynamic: the free sizes past the batch: 'auto', 'batch', or per input
+        init_args: the model's constructor arguments: a weights file if it cannot trace
     """
     path = check_save_path(path, 'export.pt2', 'export path')
     with self.exclusive('export'):  # not while a fit in another thread trains the model
         inputs = example_inputs(self, example)
         facts = inference_facts(self, inputs, vocab)  # first: a loss whose activation has no name fails before the trace
-        write_program(export_model(self.model, inputs), facts, path)
+        check_dynamic(dynamic, inputs)
+        if init_args is not None: check_rebuilds(self.model, init_args)  # before the trace, whose failure would need it
+        try: program = export_model(self.model, inputs, dynamic)
+        except RuntimeError as e:
+            if init_args is None: raise
+            warnings.warn(f"{str(e).splitlines()[0]}\nThe weights are written instead, with the model's class and init_args: "
+                          f"loading the file imports {class_path(self.model)}", stacklevel=2)
+            export_weights(self.model, inputs, facts, init_args, dynamic, path)
+            return path
+        write_program(program, {**facts, 'inputs': program_inputs(program)}, path)
     return path
 
 # %% ../nbs/13b_export.ipynb #e043
@@ -103,7 +146,11 @@ class ExportedModel(nn.Module):
         self.program, self.inputs = program, inputs
     def forward(self, *xs):
         check_inputs(self.inputs, xs)
-        return self.program(*xs)
+        try: return self.program(*xs)
+        except Exception as e:  # a guard of the trace on the free sizes, in torch's terms: said in the user's
+            if not re.search(r'Guard failed|Expected input at', str(e)): raise
+            raise ValueError(f"the program was traced for other sizes than {[tuple(x.shape) for x in xs]}: "
+                             f"{str(e).splitlines()[0]}") from e
     def train(self, mode=True):  # `learn.model.eval()` is asked for; the program itself refuses to switch
         self.training = mode
         return self
@@ -148,6 +195,7 @@ def load_learner(path: os.PathLike | str,
     Args:
         trust: skip `check_archive`: only for a file from someone you trust
     """
+    if is_weights_file(path): return InferenceLearner(*read_weights_export(path))  # no code in it: nothing to check
     if not trust: check_archive(path)
     program, facts = read_export(path)
     return InferenceLearner(program.module(), facts)
@@ -182,9 +230,28 @@ def check_inputs(expected, inputs):
     if len(inputs) != len(expected): raise ValueError(f"the model takes {len(expected)} input(s), got {len(inputs)}")
     for i, (x, want) in enumerate(zip(inputs, expected)):
         if not isinstance(x, torch.Tensor): raise TypeError(f"input {i} must be a tensor, got {type(x).__name__}")
-        if list(x.shape[1:]) != want['shape'] or str(x.dtype).removeprefix('torch.') != want['dtype']:
-            raise ValueError(f"input {i} should be a batch of shape (n, {', '.join(map(str, want['shape']))}) and "
+        shape = want['shape']
+        fits = x.ndim == len(shape) + 1 and all(_size_fits(n, size) for n, size in zip(x.shape[1:], shape))
+        if not fits or str(x.dtype).removeprefix('torch.') != want['dtype']:
+            raise ValueError(f"input {i} should be a batch of shape ({', '.join(['n', *map(_shown_size, shape)])}) and "
                              f"dtype {want['dtype']}, as exported; got shape {tuple(x.shape)} and dtype {x.dtype}")
+
+def _size_fits(n, size):
+    "Whether a dimension of `n` fits `size` of the facts: a number, or [least, most] (most None: no bound)."
+    return n == size if isinstance(size, int) else n >= size[0] and (size[1] is None or n <= size[1])
+
+def _shown_size(size): return str(size) if isinstance(size, int) else f"{size[0]}..{'' if size[1] is None else size[1]}"
+
+def check_dynamic(dynamic, inputs):
+    "Raise `ValueError` unless `dynamic` is 'auto', 'batch', or for each input a list of its dimensions past the batch."
+    if dynamic in ('auto', 'batch'): return
+    ok = isinstance(dynamic, (list, tuple)) and len(dynamic) == len(inputs) and all(
+        isinstance(dims, (list, tuple)) and all(isinstance(d, int) and 0 < d < x.ndim for d in dims)
+        for dims, x in zip(dynamic, inputs))
+    if not ok:
+        raise ValueError(f"dynamic must be 'auto', 'batch', or one list of dimensions per input ({len(inputs)} here), each "
+                         f"past the batch, e.g. [(1,)] for the length of a batch of sequences; got {dynamic!r} for inputs "
+                         f"of shapes {[tuple(x.shape) for x in inputs]}")
 
 def function_named(name):
     "The function of `PREDICTION_FUNCTIONS` called `name`; None for None (the outputs as they are)."
@@ -198,12 +265,14 @@ def function_named(name):
 @contextlib.contextmanager
 def _quiet_tracer():
     "Keep the tracer's dumps of a half-recorded graph off the screen; what it printed is shown if the trace succeeds."
-    logger, printed = logging.getLogger('torch.fx.experimental.symbolic_shapes'), io.StringIO()
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    # the shapes' solver, and export's note on each size of 1 that 'auto' leaves fixed (the channels of a grey image)
+    loggers = [logging.getLogger(name) for name in ('torch.fx.experimental.symbolic_shapes', 'torch._export.non_strict_utils')]
+    levels, printed = [logger.level for logger in loggers], io.StringIO()
+    for logger in loggers: logger.setLevel(logging.ERROR)
     try:
         with contextlib.redirect_stderr(printed): yield
-    finally: logger.setLevel(level)
+    finally:
+        for logger, level in zip(loggers, levels): logger.setLevel(level)
     sys.stderr.write(printed.getvalue())  # reached only when the trace succeeded
 
 def export_failure(error):
@@ -217,8 +286,9 @@ def export_failure(error):
                  "and a Python `if` on the data has no place in it")
     else: cause = f"torch.export could not trace it ({type(error).__name__}: {(text.splitlines() or [''])[0]})"
     return (f"cannot export the model: {cause}{where}Either write that part with tensor operations (`torch.where`, "
-            "`torch.cond`), or save the weights with `learn.save(path, with_opt=False)` and, where you predict, build "
-            "the model in code and `learn.load(path)`.")
+            "`torch.cond`), or export its weights with the name of its class: `learn.export(path, init_args={...})`, "
+            "the arguments that build the model (or `learn.save(path, with_opt=False)`, and where you predict build "
+            "the model in code and `learn.load(path)`).")
 
 # %% ../nbs/13b_export.ipynb #e057
 def write_program(program, facts, path):
@@ -301,3 +371,83 @@ def check_archive(path):
         raise ValueError(f"{os.fspath(path)!r} holds parts that would run code as it loads: "
                          f"{'; '.join(dict.fromkeys(problems))}. Load it with `trust=True` only if you trust its "
                          "author.")
+
+# %% ../nbs/13b_export.ipynb #w02
+def model_class(path):
+    "The `nn.Module` class named 'module:QualifiedName', imported; anything else is refused before it is called."
+    module, _, qualname = path.partition(':')
+    found = importlib.import_module(module)
+    for part in qualname.split('.'): found = getattr(found, part)
+    if not (isinstance(found, type) and issubclass(found, nn.Module)):
+        raise ValueError(f"{path!r} names {found!r}, not a torch.nn.Module class: a weights export names the model's class")
+    return found
+
+def class_path(model):
+    "'module:QualifiedName' of `model`'s class, checked: importing that module gives that class."
+    cls = type(getattr(model, '_orig_mod', model))
+    path = f"{cls.__module__}:{cls.__qualname__}"
+    try: importable = cls.__module__ != '__main__' and model_class(path) is cls
+    except (ImportError, AttributeError): importable = False
+    if not importable:
+        raise ValueError(f"the model's class {cls.__qualname__} cannot be imported as {path!r} (defined in a notebook, a "
+                         "script or a function): move it into a module of your own, which the process that predicts "
+                         "can import too")
+    return path
+
+def check_rebuilds(model, init_args):
+    "Raise `ValueError` unless `init_args` are JSON values and the model's class called with them has its weights' shapes."
+    try: json.dumps(init_args)
+    except (TypeError, ValueError) as e: raise ValueError(f"init_args must be JSON values (numbers, strings, lists, dicts): {e}") from e
+    path = class_path(model)
+    try: rebuilt = model_class(path)(**init_args)
+    except Exception as e: raise ValueError(f"{path}(**init_args) fails: {type(e).__name__}: {e}") from e
+    check_state_matches(rebuilt, getattr(model, '_orig_mod', model).state_dict())
+
+# %% ../nbs/13b_export.ipynb #w03
+def export_weights(model, inputs, facts, init_args, dynamic, path):
+    "Write `model`'s weights as safetensors, with `facts`, the name of its class and `init_args` in the file's header."
+    model, inputs = on_cpu(model), tuple(x.cpu() for x in inputs)
+    facts = {**facts, 'kind': 'weights', 'model': class_path(model), 'init_args': init_args,
+             'inputs': probed_inputs(model, inputs, dynamic)}
+    tensors = {k: v.detach().cpu().contiguous().clone() for k, v in model.state_dict().items()}  # shared ones apart
+    atomic_write(path, lambda f: f.write(safetensors.torch.save(tensors, metadata={FACTS_FILE: json.dumps(facts)})))
+
+def read_weights_export(path):
+    "The model that `export_weights` wrote at `path`, rebuilt from its class and weights, in eval mode; and the facts."
+    with safetensors.safe_open(path, 'pt') as f:
+        header, tensors = f.metadata() or {}, {name: f.get_tensor(name) for name in f.keys()}
+    try: facts = json.loads(header.get(FACTS_FILE, 'null'))
+    except ValueError: facts = None
+    if not isinstance(facts, dict) or facts.get('format') != EXPORT_FORMAT or facts.get('kind') != 'weights':
+        raise ValueError(f"{os.fspath(path)!r} was not written by `learn.export` (no facts in its header)")
+    for key in ('activation', 'decodes'): function_named(facts[key])
+    model = model_class(facts['model'])(**facts['init_args'])
+    check_state_matches(model, tensors)
+    model.load_state_dict(tensors)
+    return model.eval(), facts
+
+def is_weights_file(path):
+    "Whether the file at `path` is safetensors (its header's size, then '{'): a weights export, not a program's archive."
+    with open(path, 'rb') as f: head = f.read(9)
+    return len(head) == 9 and head[8:9] == b'{'
+
+# %% ../nbs/13b_export.ipynb #w05
+def probed_inputs(model, inputs, dynamic):
+    "The inputs' shapes past the batch and dtypes, as the facts hold them, found without a trace (`dynamic` as in export)."
+    def free(i, d):
+        if dynamic == 'batch': return False
+        if dynamic != 'auto': return d in dynamic[i]
+        longer = [torch.cat([x, x.narrow(d, 0, 1)], dim=d) if j == i else x for j, x in enumerate(inputs)]
+        return _runs(model, longer)
+    return [{'shape': [[1, None] if free(i, d) else x.shape[d] for d in range(1, x.ndim)],
+             'dtype': str(x.dtype).removeprefix('torch.')} for i, x in enumerate(inputs)]
+
+def _runs(model, inputs):
+    "Whether `model` in eval mode computes on `inputs` without an error."
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(): model(*inputs)
+        return True
+    except Exception: return False
+    finally: model.train(was_training)

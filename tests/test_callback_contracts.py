@@ -181,8 +181,8 @@ CALLBACKS = {
     'Checkpoint': Described(lambda folder: Checkpoint(folder / 'checkpoints', keep=1), observes=True,
                             state=epoch_files),
     'TrackerCallback': Described(lambda folder: TrackerCallback('valid_loss', 'min'), observes=True, state=tracked),
-    'SaveModel': Described(lambda folder: SaveModel('valid_loss', 'min', folder / 'best.pt'), observes=True,
-                           state=saved_and_tracked),
+    # it ends the fit with the best epoch's weights, loaded from its file
+    'SaveModel': Described(lambda folder: SaveModel('valid_loss', 'min', folder / 'best.pt'), state=saved_and_tracked),
     # never better by 1e9: best after the first epoch, stopped after the third with the first epoch's weights
     'EarlyStopping': Described(lambda folder: EarlyStopping('valid_loss', 'min', patience=2, min_delta=1e9),
                                state=tracked),

@@ -625,21 +625,23 @@ def test_a_learner_with_a_scheduler_of_its_own_can_be_saved_before_any_fit(tmp_p
 
 
 def test_a_resume_may_leave_out_an_observer_with_a_state_but_not_a_callback_that_changes_the_fit(tmp_path):
-    "An observer's saved state (Checkpoint's files, a tracker's best value) is not needed to go on; EarlyStopping's is."
+    "An observer's saved state (Checkpoint's files) is not needed to go on; a tracker's and EarlyStopping's are."
     straight = digits_learner()
     straight.fit(3)
     watched = digits_learner()
     watched.fit(3, cbs=[Checkpoint(tmp_path / 'watched'), SaveModel('valid_loss', 'min', tmp_path / 'best.pt'),
                         TrackerCallback('valid_loss', 'min'), StopAfterEpoch(0)])
     state = read_checkpoint(tmp_path / 'watched' / 'latest.pt')
-    # a tracker of the user's own may act on what it tracks: only SaveModel says it only watches
+    # a tracker of the user's own may act on what it tracks; SaveModel loads the best weights when the fit ends
     assert set(state['callbacks']) == {'checkpoint', 'recorder', 'save_model', 'tracker'}
-    assert set(state['observers']) == {'checkpoint', 'recorder', 'save_model'}
-    with pytest.raises(ValueError, match=r"\['tracker'\], which this fit lacks"):
+    assert set(state['observers']) == {'checkpoint', 'recorder'}
+    with pytest.raises(ValueError, match=r"\['save_model', 'tracker'\], which this fit lacks"):
         digits_learner().fit(3, resume=tmp_path / 'watched' / 'latest.pt')
     resumed = digits_learner()
-    resumed.fit(3, cbs=[TrackerCallback('valid_loss', 'min')], resume=tmp_path / 'watched' / 'latest.pt')
-    # neither Checkpoint nor SaveModel: the same fit
+    resumed.fit(3, cbs=[TrackerCallback('valid_loss', 'min'), SaveModel('valid_loss', 'min', tmp_path / 'best.pt',
+                                                                        restore_best=False)],
+                resume=tmp_path / 'watched' / 'latest.pt')
+    # without Checkpoint, and SaveModel leaving the last weights: the same fit
     assert weights_equal(resumed, straight)
 
     stopping = digits_learner()

@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import threading
+import warnings
 import zipfile
 
 import pytest
@@ -17,7 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from teachloop.data import DataLoaders, digits_cnn, digits_dls
-from teachloop.inference import InferenceLearner, check_archive, export_model, load_learner
+from teachloop.inference import (InferenceLearner, check_archive, export_model, is_weights_file, load_learner,
+                                 program_inputs, read_weights_export)
 from teachloop.learner import Learner
 from teachloop.testing import digits_learner, quiet
 
@@ -140,7 +142,7 @@ def test_a_model_torch_export_cannot_trace_is_refused_with_the_cause_and_the_way
     with pytest.raises(RuntimeError, match=r'values in a tensor') as caught:
         learn.export(path)
     message = str(caught.value)
-    assert 'x.sum() > 0' in message and 'learn.save' in message and 'torch.cond' in message
+    assert 'x.sum() > 0' in message and 'learn.save' in message and 'torch.cond' in message and 'init_args=' in message
     assert caught.value.__cause__ is not None  # torch's own error, kept
     assert path.read_bytes() == b'an earlier file' and sorted(p.name for p in tmp_path.iterdir()) == ['model.pt2']
 
@@ -159,7 +161,8 @@ def test_a_compiled_model_is_exported_as_the_model_it_wraps(trained, tmp_path):
 
 def test_wrong_inputs_get_a_message_with_the_exported_shape(trained, tmp_path):
     learn = load_learner(trained.export(tmp_path / 'digits.pt2'))
-    with pytest.raises(ValueError, match=r"shape \(n, 1, 8, 8\) and dtype float32.*got shape \(2, 3, 8, 8\)"):
+    # the channels are fixed, the sides free (the CNN pools them away): two pixels or more, as torch's rule for a free size
+    with pytest.raises(ValueError, match=r"shape \(n, 1, 2\.\., 2\.\.\) and dtype float32.*got shape \(2, 3, 8, 8\)"):
         learn.get_preds([torch.zeros(2, 3, 8, 8)])
     with pytest.raises(ValueError, match=r"dtype float32.*torch.float64"):
         learn.predict(torch.zeros(1, 8, 8, dtype=torch.float64))
@@ -315,3 +318,185 @@ def test_example_inputs_that_need_a_full_unpickle_are_refused(trained, tmp_path)
                 data = buffer.getvalue()
             copy.writestr(info, data)
     with pytest.raises(ValueError, match='pickle of more than tensors'): check_archive(crafted)
+
+
+# ---- sizes past the batch, and models the trace cannot follow
+
+class Tokens(nn.Module):
+    "Scores of 3 classes for a sequence of tokens: embedding, a convolution along the sequence, the mean over it."
+    def __init__(self, vocab=20, width=16, n_classes=3):
+        super().__init__()
+        self.embed, self.conv = nn.Embedding(vocab, width), nn.Conv1d(width, width, 3, padding=1)
+        self.out = nn.Linear(width, n_classes)
+    def forward(self, tokens): return self.out(self.conv(self.embed(tokens).transpose(1, 2)).relu().mean(-1))
+
+
+def sequence_learner(model, with_lengths=False, width=15):
+    "A learner on 64 random sequences of `width` tokens (and their lengths, as a second input) with 3 classes."
+    torch.manual_seed(0)
+    tokens, lengths = torch.randint(1, 20, (64, width)), torch.randint(3, width + 1, (64,))
+    tokens[torch.arange(width) >= lengths[:, None]] = 0
+    tensors = (tokens, lengths) if with_lengths else (tokens,)
+    dl = DataLoader(TensorDataset(*tensors, tokens[:, 0] % 3), batch_size=16)
+    return quiet(Learner(DataLoaders(dl, dl), model, F.cross_entropy, n_inp=len(tensors), lr=1e-2))
+
+
+def test_a_sequence_model_exported_at_width_15_takes_width_9_after_loading(tmp_path):
+    learn = sequence_learner(Tokens())
+    learn.fit(1)
+    inference = load_learner(learn.export(tmp_path / 'tokens.pt2'))
+    assert inference.facts['inputs'] == [{'shape': [[2, None]], 'dtype': 'int64'}]
+    nine = torch.randint(0, 20, (5, 9))
+    with torch.no_grad(): expected = learn.model.eval()(nine).softmax(-1)
+    assert torch.allclose(inference.get_preds([nine])[0], expected, rtol=0, atol=1e-6)  # float32, other shapes' kernels
+    with pytest.raises(ValueError, match=r"shape \(n, 2\.\.\) and dtype int64.*got shape \(5, 1\)"):
+        inference.get_preds([nine[:, :1]])  # one token: below the program's range
+
+
+def test_dynamic_batch_keeps_the_sizes_of_the_example_and_says_so(tmp_path):
+    learn = sequence_learner(Tokens())
+    inference = load_learner(learn.export(tmp_path / 'tokens.pt2', dynamic='batch'))
+    assert inference.facts['inputs'] == [{'shape': [15], 'dtype': 'int64'}]
+    with pytest.raises(ValueError, match=r"shape \(n, 15\) and dtype int64.*got shape \(5, 9\)"):
+        inference.get_preds([torch.randint(0, 20, (5, 9))])
+
+
+@pytest.mark.parametrize('dynamic', ['free', [1], [(2,)], [(0,)], [(1,), (1,)]])
+def test_a_wrong_dynamic_is_refused_before_the_trace(tmp_path, dynamic):
+    learn = sequence_learner(Tokens())
+    with pytest.raises(ValueError, match=r"dynamic must be 'auto', 'batch', or one list of dimensions per input"):
+        learn.export(tmp_path / 'tokens.pt2', dynamic=dynamic)
+    assert list(tmp_path.iterdir()) == []
+
+
+class PlainGRU(nn.Module):
+    "A GRU over a batch of sequences of one length: a trace unrolls it, one step per position."
+    def __init__(self, vocab=20, hidden=16, n_classes=3):
+        super().__init__()
+        self.embed, self.gru, self.out = nn.Embedding(vocab, hidden), nn.GRU(hidden, hidden, batch_first=True), nn.Linear(hidden, n_classes)
+    def forward(self, tokens): return self.out(self.gru(self.embed(tokens))[1][-1])
+
+
+class PackedGRU(PlainGRU):
+    "A GRU over padded sequences of different lengths, read through pack_padded_sequence: no trace can follow it."
+    def forward(self, tokens, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(self.embed(tokens), lengths.cpu(), batch_first=True, enforce_sorted=False)
+        return self.out(self.gru(packed)[1][-1])
+
+
+def test_auto_leaves_fixed_what_the_trace_fixes_and_a_size_asked_free_fails_naming_the_way_out(tmp_path):
+    learn = sequence_learner(PlainGRU())
+    assert load_learner(learn.export(tmp_path / 'gru.pt2')).facts['inputs'] == [{'shape': [15], 'dtype': 'int64'}]
+    with pytest.raises(RuntimeError, match=r"init_args=") as caught: learn.export(tmp_path / 'free.pt2', dynamic=[(1,)])
+    assert 'specialized it to be a constant (15)' in str(caught.value.__cause__)
+    assert not (tmp_path / 'free.pt2').exists()
+
+
+GRU_ARGS = {'vocab': 20, 'hidden': 16, 'n_classes': 3}
+
+
+def exported_weights(tmp_path, model=None, **kwargs):
+    learn = sequence_learner(model or PackedGRU(), with_lengths=True)
+    learn.fit(1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        path = learn.export(tmp_path / 'gru.pt2', init_args=GRU_ARGS, **kwargs)
+    return learn, path, [str(w.message) for w in caught if 'init_args' in str(w.message)]
+
+
+def test_without_init_args_a_model_that_cannot_trace_is_refused_naming_them(tmp_path):
+    learn = sequence_learner(PackedGRU(), with_lengths=True)
+    with pytest.raises(RuntimeError, match=r"learn.export\(path, init_args=\{\.\.\.\}\)"): learn.export(tmp_path / 'gru.pt2')
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_with_init_args_its_weights_and_class_are_written_with_a_warning_and_load_without_pickle(tmp_path):
+    learn, path, said = exported_weights(tmp_path)
+    assert len(said) == 1 and 'test_inference:PackedGRU' in said[0] and 'could not trace' in said[0]
+    assert is_weights_file(path) and not zipfile.is_zipfile(path)
+    model, facts = read_weights_export(path)
+    assert facts['kind'] == 'weights' and facts['model'] == 'test_inference:PackedGRU' and facts['init_args'] == GRU_ARGS
+    # found by trying: the length is free, the lengths have no size past the batch
+    assert facts['inputs'] == [{'shape': [[1, None]], 'dtype': 'int64'}, {'shape': [], 'dtype': 'int64'}]
+    assert not model.training and all(torch.equal(v, learn.model.state_dict()[k]) for k, v in model.state_dict().items())
+
+
+FRESH_WEIGHTS = """
+import sys, torch
+from teachloop.inference import load_learner
+learn = load_learner(sys.argv[1])
+tokens, lengths = torch.load(sys.argv[2], weights_only=True)
+torch.save(learn.get_preds([(tokens, lengths)])[0], sys.argv[3])
+"""
+
+
+def test_a_fresh_process_that_can_import_the_class_predicts_on_other_widths_as_the_learner(tmp_path):
+    "The class comes from a module of the user's (this file, on the fresh process's path); the file from safetensors."
+    learn, path, _ = exported_weights(tmp_path)
+    tokens, lengths = torch.randint(1, 20, (6, 9)), torch.tensor([9, 3, 5, 8, 9, 4])
+    torch.save((tokens, lengths), tmp_path / 'short.pt')
+    env = {**os.environ, 'OMP_NUM_THREADS': str(torch.get_num_threads()),
+           'PYTHONPATH': os.pathsep.join([os.path.dirname(__file__), os.environ.get('PYTHONPATH', '')])}
+    done = subprocess.run([sys.executable, '-c', FRESH_WEIGHTS, str(path), str(tmp_path / 'short.pt'), str(tmp_path / 'p.pt')],
+                          capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    with torch.no_grad(): expected = learn.model.eval()(tokens, lengths).softmax(-1)
+    assert torch.equal(torch.load(tmp_path / 'p.pt', weights_only=True), expected)
+
+
+def test_the_inputs_of_a_weights_file_are_checked_too(tmp_path):
+    _, path, _ = exported_weights(tmp_path)
+    inference = load_learner(path)
+    with pytest.raises(ValueError, match=r"input 1 should be a batch of shape \(n\) and dtype int64"):
+        inference.get_preds([(torch.randint(1, 20, (2, 9)), torch.tensor([9., 4.]))])
+    (tmp_path / 'fixed').mkdir()
+    fixed = load_learner(exported_weights(tmp_path / 'fixed', dynamic='batch')[1])  # no size free but the batch's
+    with pytest.raises(ValueError, match=r"input 0 should be a batch of shape \(n, 15\)"):
+        fixed.get_preds([(torch.zeros(2, 9).long(), torch.tensor([9, 4]))])
+
+
+class Unbuildable(PackedGRU):
+    def __init__(self, vocab=20, hidden=16, n_classes=3, callback=None): super().__init__(vocab, hidden, n_classes)
+
+
+@pytest.mark.parametrize('model, init_args, says', [
+    (PackedGRU(), {'vocab': 20, 'hidden': 8, 'n_classes': 3}, 'do not fit this model'),
+    (PackedGRU(), {'vocab': 20, 'hidden': 16, 'classes': 3}, r"PackedGRU\(\*\*init_args\) fails: TypeError"),
+    (Unbuildable(), {**GRU_ARGS, 'callback': print}, 'init_args must be JSON values'),
+])
+def test_init_args_that_do_not_rebuild_the_model_are_refused_before_the_trace(tmp_path, model, init_args, says):
+    learn = sequence_learner(model, with_lengths=True)
+    with pytest.raises(ValueError, match=says): learn.export(tmp_path / 'gru.pt2', init_args=init_args)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_class_no_other_process_can_import_is_refused(tmp_path):
+    class Local(PackedGRU): pass
+    learn = sequence_learner(Local(), with_lengths=True)
+    with pytest.raises(ValueError, match='move it into a module of your own'): learn.export(tmp_path / 'g.pt2', init_args=GRU_ARGS)
+
+
+def test_a_weights_file_naming_anything_but_a_module_class_is_refused_before_calling_it(tmp_path):
+    import safetensors.torch
+    marker = tmp_path / 'ran'
+    _, path, _ = exported_weights(tmp_path)
+    with open(path, 'rb') as f: header = json.loads(f.read(8 + int.from_bytes(open(path, 'rb').read(8), 'little'))[8:])
+    facts = json.loads(header['__metadata__']['teachloop.json'])
+    crafted = tmp_path / 'crafted.pt2'
+    facts.update(model='pathlib:Path.touch', init_args={'self': str(marker)})
+    tensors = {k: v for k, v in read_weights_export(path)[0].state_dict().items()}
+    crafted.write_bytes(safetensors.torch.save(tensors, metadata={'teachloop.json': json.dumps(facts)}))
+    with pytest.raises(ValueError, match='not a torch.nn.Module class'): load_learner(crafted)
+    assert not marker.exists()
+
+
+def test_the_archive_check_stays_exact_on_programs_with_free_sizes(tmp_path):
+    "Free sizes add size operators and range expressions to the graph: each still one of torch's, or arithmetic."
+    path = sequence_learner(Tokens()).export(tmp_path / 'tokens.pt2')
+    check_archive(path)
+    def os_system(text): return text.replace('"torch.ops.aten.embedding.default"', '"torch.os.system"', 1)
+    crafted = rewritten(path, tmp_path / 'os.pt2', {'models/model.json': os_system})
+    with pytest.raises(ValueError, match=re.escape("operator 'torch.os.system'")): check_archive(crafted)
+    def near_miss(text): return text.replace('"torch.ops.aten.embedding.default"', '"torch.ops.aten.embedding.default.x"', 1)
+    with pytest.raises(ValueError, match='is not one of torch'):
+        check_archive(rewritten(path, tmp_path / 'near.pt2', {'models/model.json': near_miss}))

@@ -23,7 +23,7 @@ LAYERS = [
     {'optim'},  # the generic optimizer, the classic and recent ones, the fast path, torch interop
     {'lessons.momentum', 'lessons.optimizer_builder'},  # running averages and paths on 2-D surfaces, right after 01
     {'learner'},  # the callback core and the training loop
-    {'callback', 'diagnostics', 'testing', 'inference', 'lessons.demo', 'lessons.race'},  # callbacks by family, what they measure
+    {'callback', 'metrics', 'fine_tune', 'diagnostics', 'testing', 'inference', 'lessons.demo', 'lessons.race'},  # callbacks by family, what they measure
     {'dashboard'},  # widgets
     {'all'},
     {'designs'},  # the historical designs, in their own subpackage
@@ -57,7 +57,7 @@ def test_the_package_is_laid_out_in_folders_by_part():
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / '__init__.py').exists()}
     assert folders == FOLDERS
     top = {p.stem for p in PACKAGE.glob('*.py')} - {'__init__', '_modidx'}
-    assert top == {'core', 'random_state', 'data', 'figures', 'learner', 'testing', 'inference', 'all'}
+    assert top == {'core', 'random_state', 'data', 'figures', 'learner', 'metrics', 'fine_tune', 'testing', 'inference', 'all'}
 
 
 def imported_teachloop_modules(name):

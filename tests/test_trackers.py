@@ -162,7 +162,7 @@ REFUSED = [
     (SaveModelCallback, dict(comp=np.greater_equal), "'greater_equal' has no equivalent"),
     (SaveModelCallback, dict(every_epoch=True), r"Checkpoint\(folder, every_n_epochs=n\)"),
     (SaveModelCallback, dict(every_epoch=2), r"every_epoch=2.*Checkpoint\(folder, every_n_epochs=n\)"),
-    (SaveModelCallback, dict(at_end=True), r"learn.save\(path, with_opt=False\) after it"),
+    (SaveModelCallback, dict(at_end=True), r"restore_best=False.*learn.save\(path, with_opt=False\) after the fit"),
     (SaveModelCallback, dict(with_opt=True), r"use Checkpoint\(folder\) and fit\(n_epoch, resume=path\)"),
     (SaveModelCallback, dict(reset_on_fit=False), "start every fit afresh"),
     (SaveModelCallback, dict(fname='best', path='best.pt'), "fname .* or path, not both"),

@@ -25,9 +25,9 @@ from ..random_state import loader_generators, rng_states, set_rng_states
 from ..optim.core import Optimizer
 
 # %% auto #0
-__all__ = ['state_to_params_devices', 'DeviceCallback', 'accuracy', 'AccumMetric', 'accumulates', 'smooth_values', 'hypers_read',
-           'Recorder', 'smoothing_window', 'format_row', 'ProgressCallback', 'MixedPrecision', 'StepUndo',
-           'GradientAccumulation']
+__all__ = ['state_to_params_devices', 'DeviceCallback', 'accuracy', 'check_class_scores', 'AccumMetric', 'accumulates',
+           'smooth_values', 'hypers_read', 'Recorder', 'smoothing_window', 'format_row', 'ProgressCallback',
+           'MixedPrecision', 'StepUndo', 'GradientAccumulation']
 
 # %% ../../nbs/05_callbacks.ipynb #c004
 def state_to_params_devices(opt):
@@ -56,7 +56,19 @@ class DeviceCallback(Callback):
 # %% ../../nbs/05_callbacks.ipynb #c006
 def accuracy(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     "Share of rows of `pred` whose arg-max is `target`."
+    check_class_scores(pred, target, 'accuracy')
     return (pred.argmax(dim=-1) == target).float().mean()
+
+_LABELS = ("accuracy_multi(thresh=0.5, sigmoid=True) (teachloop.metrics, as fastai's): an output over the threshold "
+           "says its label is on")
+
+def check_class_scores(pred, target, metric, instead=_LABELS):
+    "Raise `ValueError` unless `pred` has a score per class (2 or more) in its last dimension for each index in `target`."
+    if pred.ndim == target.ndim + 1 and pred.shape[-1] > 1: return
+    raise ValueError(f"{metric} takes a score per class (predictions of shape (n, classes), classes >= 2) and class "
+                     f"indices (targets of shape (n,)); got predictions of shape {tuple(pred.shape)} and targets of "
+                     f"shape {tuple(target.shape)} (an arg-max over one column is always 0). For one output per item "
+                     f"(a binary classifier) or one per label (several labels per item), use {instead}")
 
 # %% ../../nbs/05_callbacks.ipynb #am02
 class AccumMetric:

@@ -25,13 +25,15 @@ __all__ = ['LOWER_IS_BETTER', 'HIGHER_IS_BETTER', 'monitor_mode', 'TrackerCallba
            'ReduceLROnPlateau', 'EarlyStoppingCallback', 'SaveModelCallback']
 
 # %% ../../nbs/13a_trackers.ipynb #m01
-LOWER_IS_BETTER = {'loss', 'error', 'err', 'mse', 'rmse', 'mae', 'perplexity', 'brier'}
+LOWER_IS_BETTER = {'loss', 'error', 'err', 'mse', 'rmse', 'mae', 'msle', 'perplexity', 'brier'}
 HIGHER_IS_BETTER = {'accuracy', 'acc', 'f1', 'fbeta', 'auc', 'roc', 'precision', 'recall', 'r2', 'dice', 'iou',
-                    'jaccard', 'score'}
+                    'jaccard', 'corrcoef', 'mcc', 'explained', 'score'}
 
 def monitor_mode(monitor):
     "'min' or 'max' for the recorded value named `monitor`, from the words of the name; `ValueError` if they do not say."
     if not isinstance(monitor, str): raise TypeError(f"monitor must be a recorded value's name, got {monitor!r}")
+    # scikit-learn's scores of an error: negated ('neg_log_loss') or the share of it explained ('d2_log_loss_score')
+    if monitor.startswith(('neg_', 'd2_')): return 'max'
     words = set(re.findall(r'[a-z0-9]+', re.sub(r'([a-z0-9])([A-Z])', r'\1_\2', monitor).lower()))
     lower, higher = words & LOWER_IS_BETTER, words & HIGHER_IS_BETTER
     if lower: higher -= {'score'}  # a score of something to lower: the Brier score
@@ -85,12 +87,18 @@ class TrackerCallback(Callback):
 
 # %% ../../nbs/13a_trackers.ipynb #c030
 class SaveModel(TrackerCallback):
-    "Save the model's weights to `path` whenever `monitor` improves."
-    observes = True  # a resume may leave it out: its best value and its file do not change the fit
-    def __init__(self, monitor='valid_loss', mode='auto', path=None, min_delta=0.):
+    """Save the model's weights to `path` whenever `monitor` improves, and end the fit with the best ones loaded.
+
+    Args:
+        restore_best: load the best epoch's weights when the fit ends (False: keep the last ones)
+    """
+    def __init__(self, monitor='valid_loss', mode='auto', path=None, min_delta=0.,
+                 restore_best=True,  # load the best epoch's weights when the fit ends (False: keep the last ones)
+                ):
         super().__init__(monitor, mode, min_delta)
         if path is None: raise TypeError("SaveModel needs the file to write the best weights to: SaveModel(path='best.pt')")
         self.path = check_save_path(path, 'model.pt', 'SaveModel path')
+        self.restore_best = restore_best
 
     def before_fit(self):
         super().before_fit()
@@ -101,6 +109,10 @@ class SaveModel(TrackerCallback):
         if not self.improved: return  # decided alike in every process: the values are the ones summed over them
         # the weights are the same in each process: rank 0 writes them
         written_by_rank_zero(partial(self.learn.save, self.path, with_opt=False), f"the best weights to {self.path}")
+
+    def after_fit(self):
+        # every process reads the file rank 0 wrote; no best value yet (no epoch ended, or none was a number): no file
+        if self.restore_best and math.isfinite(self.best): self.learn.load(self.path, with_opt=False)
 
 # %% ../../nbs/13a_trackers.ipynb #u02
 class EarlyStopping(TrackerCallback):
@@ -248,7 +260,8 @@ def SaveModelCallback(monitor='valid_loss',  # the recorded value to follow, as 
                          "resume from")
     if at_end:
         raise ValueError("SaveModelCallback(at_end=True): SaveModel writes the best epoch's weights, not the last ones; "
-                         "to keep the weights a fit ends with, call learn.save(path, with_opt=False) after it")
+                         "to end with the last weights give SaveModel(path=path, restore_best=False), and to keep them in a "
+                         "file call learn.save(path, with_opt=False) after the fit")
     if with_opt:
         raise ValueError("SaveModelCallback(with_opt=True): SaveModel writes the weights only; to keep the optimizer's "
                          "state and go on training, use Checkpoint(folder) and fit(n_epoch, resume=path)")

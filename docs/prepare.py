@@ -28,7 +28,6 @@ import nbformat
 from jupyter_cache import get_cache
 from jupyter_cache.base import CacheBundleIn
 from jupyter_cache.executors.utils import single_nb_execution
-from nbdev.config import get_config
 
 import api
 import conf
@@ -53,12 +52,29 @@ NPM_PACKAGES = {'widgets': ('@jupyter-widgets/html-manager@1.0.15', ['dist/embed
 _DIRECTIVE = re.compile(r'^\s*#\|\s*([\w-]+)\s*:?\s*(.*?)\s*$')
 # A solution cell's toggle (myst-nb's `hide-cell`: the code runs, its source and output stay closed until opened).
 SOLUTION_PROMPTS = {'code_prompt_show': 'Show the solution', 'code_prompt_hide': 'Hide the solution'}
+# nbdev's cell flags that let a test command skip a cell. A student's Run All skips nothing, so neither do the tests and
+# the site: a cell that needs hardware (a GPU, a browser) checks for it itself and says that it skipped. The notebooks
+# in STILL_FLAGGED have such cells left, skipped until each is converted; tests/test_site.py checks that the set names
+# exactly the notebooks that still have them.
+SKIP_FLAGS = frozenset({'notest', 'cuda', 'browser'})
+STILL_FLAGGED = frozenset({'05_callbacks'})
 _WHY_NOT_RUN = {'cuda': 'it needs a CUDA GPU', 'browser': 'it needs a browser', 'notest': 'it is left out of the notebook tests'}
 
 
-def test_flags():
-    "The cell flags that `nbdev-test` skips (`tst_flags` in pyproject.toml): the site does not run those cells either."
-    return set(str(get_config(path=ROOT).get('tst_flags', '')).split())
+def skip_flags(stem):
+    "The cell flags the tests and the site skip in notebook `stem`: none, but in a notebook still to convert."
+    return SKIP_FLAGS if stem in STILL_FLAGGED else frozenset()
+
+
+def skipped_cells(nb):
+    "`(cell id, flag)` for each code cell that a test command could skip (a flag of SKIP_FLAGS, or `#| eval: false`)."
+    found = []
+    for cell in nb.cells:
+        if cell.cell_type != 'code': continue
+        directives, _ = split_directives(cell.source)
+        found += [(cell.get('id'), flag) for flag in sorted(SKIP_FLAGS & directives.keys())]
+        if directives.get('eval') == 'false': found.append((cell.get('id'), 'eval: false'))
+    return found
 
 
 def split_directives(source):
@@ -74,7 +90,7 @@ def tags_for(directives, skipped):
     "myst-nb's cell tags for nbdev's (and Quarto's) directives."
     tags = []
     if {'hide', 'default_exp'} & directives.keys() or directives.get('include') == 'false': tags.append('remove-cell')
-    if skipped or directives.get('eval') == 'false': tags.append('skip-execution')
+    if skipped: tags.append('skip-execution')
     if directives.get('echo') == 'false': tags.append('remove-input')
     if directives.get('output') == 'false': tags.append('remove-output')
     if 'solution' in directives: tags.append('hide-cell')
@@ -261,7 +277,7 @@ def write_sources():
 
 def _write_sources():
     SRC.mkdir(parents=True, exist_ok=True)
-    flags, (toolkit, designs) = test_flags(), api.course_modules()
+    toolkit, designs = api.course_modules()
     where = api.definitions(toolkit + designs)
     targets = {}
     for (module, name), (stem, cell_id) in where.items():
@@ -277,12 +293,12 @@ def _write_sources():
     version = version_cell(library_version())
     for stem, nb in notebooks.items():
         written.add(f'{stem}.ipynb')
-        nb = process(nb, flags, targets.get(stem, {}), names_on.get(stem, names))
+        nb = process(nb, skip_flags(stem), targets.get(stem, {}), names_on.get(stem, names))
         nb.cells.insert(0, version)
         write_if_changed(SRC / f'{stem}.ipynb', nbformat.writes(nb))
     listing = nbformat.v4.new_markdown_cell(contents(course, [s for s in notebooks if s not in course]),
                                             id='site-contents')
-    write_if_changed(SRC / 'index.ipynb', nbformat.writes(process(home_page(home, listing), flags, {}, names)))
+    write_if_changed(SRC / 'index.ipynb', nbformat.writes(process(home_page(home, listing), skip_flags('index'), {}, names)))
     for path, page in PAGES.items(): write_if_changed(SRC / page, (ROOT / path).read_text())
     write_if_changed(SRC / 'api.md', api.api_page({stem: title(nb) for stem, nb in notebooks.items()}))
     write_site_names(names, names_on, where)
@@ -304,8 +320,8 @@ class NotebookFailed(Exception):
 
 
 def run_notebook(stem):
-    """Execute the site's notebook `stem` as `make docs` does (a fresh kernel, in a temporary folder, the cells that
-    `nbdev-test` skips not run) and keep it in the site's cache; nothing runs if the cache has it with this code and
+    """Execute the site's notebook `stem` as `make docs` does (a fresh kernel, in a temporary folder, every cell run as a
+    student's Run All runs it) and keep it in the site's cache; nothing runs if the cache has it with this code and
     library. The seconds it took, or None when cached; `NotebookFailed` with the cell's traceback on an error."""
     path = SRC / f'{stem}.ipynb'
     with locked(f'{stem}.lock'):  # the site test's `make docs` waits for it, then finds it executed

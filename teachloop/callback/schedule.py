@@ -14,7 +14,7 @@ import numbers
 import os
 from collections import namedtuple
 from collections.abc import Callable, Iterable, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from functools import partial
 from typing import Any, Literal
 
@@ -33,8 +33,8 @@ __all__ = ['Schedule', 'PER_BATCH_SCHEDULERS', 'SUGGEST_FUNCS', 'annealing_no', 
            'annealing_exp', 'annealing_poly', 'schedule_pct', 'Stepper', 'combine_scheds', 'combined_cos',
            'preview_values', 'plot_schedules', 'ParamScheduler', 'one_cycle_scheds', 'sgdr_epochs', 'check_scheds_fit',
            'check_hyper_writers', 'LRSchedulerCallback', 'check_scheduler_args', 'cycles_momentum', 'scheduler_kwargs',
-           'LRFinder', 'minimum', 'steep', 'longest_descent', 'valley', 'slide', 'suggest_lrs', 'plot_lr_find',
-           'state_restored']
+           'scheduler_arguments', 'LRFinder', 'minimum', 'steep', 'longest_descent', 'valley', 'slide', 'suggest_lrs',
+           'plot_lr_find', 'state_restored']
 
 # %% ../../nbs/06_schedule.ipynb #c004
 def annealing_no(start, end, pct):
@@ -395,19 +395,21 @@ class LRSchedulerCallback(Callback):
     """Set the learning rate (and momentum) from a `torch.optim.lr_scheduler` class, stepped after each batch or epoch.
 
     Args:
-        scheduler_cls: a class, e.g. `StepLR`, not a scheduler
+        scheduler_cls: a class, e.g. `StepLR`, or a scheduler made on any optimizer
         args: its arguments after the optimizer
         step: default: 'batch' for OneCycleLR and CyclicLR, else 'epoch'
         kwargs: its keyword arguments
     """
     run_valid = False
     def __init__(self,
-                 scheduler_cls: type[torch.optim.lr_scheduler.LRScheduler],  # a class, e.g. `StepLR`, not a scheduler
+                 scheduler_cls: type[torch.optim.lr_scheduler.LRScheduler] | torch.optim.lr_scheduler.LRScheduler,  # a class, e.g. `StepLR`, or a scheduler made on any optimizer
                  *args: Any,  # its arguments after the optimizer
                  step: Literal['batch', 'epoch'] | None = None,  # default: 'batch' for OneCycleLR and CyclicLR, else 'epoch'
                  **kwargs: Any,  # its keyword arguments
                 ) -> None:
-        self.step = check_scheduler_args(scheduler_cls, args, kwargs, step)  # under the hood, below
+        if isinstance(scheduler_cls, torch.optim.lr_scheduler.LRScheduler):  # a scheduler: made again on the fit's optimizer
+            scheduler_cls, args, kwargs = scheduler_arguments(scheduler_cls, args, kwargs)  # under the hood, below
+        self.step = check_scheduler_args(scheduler_cls, args, kwargs, step)
         self.scheduler_cls, self.args, self.kwargs, self.scheduler, self.epochs_seen = scheduler_cls, args, kwargs, None, 0
         self.hyper_names = ['lr', 'mom'] if cycles_momentum(scheduler_cls, args, kwargs) else ['lr']  # what it sets
 
@@ -442,8 +444,8 @@ def check_scheduler_args(scheduler_cls, args, kwargs, step):
     "The step of an `LRSchedulerCallback`, 'batch' or 'epoch', after checking what torch would refuse only later."
     if not (isinstance(scheduler_cls, type) and issubclass(scheduler_cls, torch.optim.lr_scheduler.LRScheduler)):
         raise TypeError(f"LRSchedulerCallback takes a class of torch.optim.lr_scheduler and its arguments, e.g. "
-                        f"LRSchedulerCallback(StepLR, step_size=2), got {scheduler_cls!r}: it builds the scheduler on "
-                        "the learner's optimizer when the fit starts")
+                        f"LRSchedulerCallback(StepLR, step_size=2), or a scheduler, got {scheduler_cls!r}: it builds the "
+                        "scheduler on the learner's optimizer when the fit starts")
     if issubclass(scheduler_cls, (torch.optim.lr_scheduler.SequentialLR, torch.optim.lr_scheduler.ChainedScheduler)):
         raise ValueError(f"{scheduler_cls.__name__} chains schedulers built on the optimizer, which the callback makes "
                          "only when the fit starts; chain the schedules themselves: ParamScheduler({'lr': "
@@ -482,6 +484,38 @@ def scheduler_kwargs(scheduler_cls, args, kwargs, n_steps):
                          "fit at the cycle's end): leave total_steps, epochs and steps_per_epoch out, and the callback "
                          "makes the cycle as long as the fit")
     return dict(kwargs)
+
+_NOT_ARGUMENTS = ('optimizer', 'last_epoch', 'verbose')  # what the callback gives a scheduler it makes
+
+def scheduler_arguments(scheduler, args=(), kwargs=None):
+    """The class and arguments that make `scheduler` again on the fit's optimizer: `(class, (), {name: value})`, read
+    back from the attributes under which torch keeps them; a scheduler that does not keep them all (OneCycleLR,
+    CyclicLR) is refused with the call that works."""
+    cls = type(scheduler)
+    if args or kwargs:
+        raise TypeError(f"LRSchedulerCallback got a {cls.__name__} and arguments: give the scheduler alone, or its class "
+                        f"and arguments, LRSchedulerCallback({cls.__name__}, ...)")
+    if scheduler.last_epoch != 0:
+        raise ValueError(f"this {cls.__name__} has stepped {scheduler.last_epoch} times; the callback would start it "
+                         f"again from its first value: give a new one, or its class, LRSchedulerCallback({cls.__name__}, ...)")
+    found, missing = {}, []
+    for name, param in inspect.signature(cls).parameters.items():
+        if name in _NOT_ARGUMENTS or param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD): continue
+        if hasattr(scheduler, name): found[name] = getattr(scheduler, name)
+        elif isinstance(per_group := getattr(scheduler, name + 's', None), list):  # LambdaLR: `lr_lambda` as `lr_lambdas`
+            found[name] = per_group[0] if len(per_group) == 1 else per_group
+        else: missing.append(name)
+    if missing:
+        with suppress(TypeError): check_scheduler_args(cls, (), {}, None)  # a chain, a monitored value: refused as such
+        params = inspect.signature(cls).parameters
+        known = [f'{name}={value!r}' for name, value in found.items() if value != params[name].default and not callable(value)]
+        needed = [f'{name}=...' for name in missing if params[name].default is params[name].empty]
+        others = [name for name in missing if params[name].default is not params[name].empty]
+        raise TypeError(f"{cls.__name__} does not keep {', '.join(missing)} where the callback can read them back, so it "
+                        f"cannot make the scheduler again on the fit's optimizer: give the class and its arguments "
+                        f"instead, LRSchedulerCallback({', '.join([cls.__name__, *known, *needed])})"
+                        + (f", with those of {', '.join(others)} that you gave it" if others else ''))
+    return cls, (), found
 
 # %% ../../nbs/06_schedule.ipynb #l06b
 @patch

@@ -23,7 +23,7 @@ from ..figures import FigureWidget, figure_png, float_slider
 from ..optim.core import SGD, Adam, RMSProp
 
 # %% auto #0
-__all__ = ['SURFACES', 'OPTIMIZER_COLORS', 'DECAY_CURVATURES', 'check_beta', 'ewma', 'plot_ewma', 'debiased_ewma',
+__all__ = ['SURFACES', 'OPTIMIZER_COLORS', 'OTHER_COLORS', 'DECAY_CURVATURES', 'check_beta', 'ewma', 'plot_ewma', 'debiased_ewma',
            'effective_window', 'ewma_weights', 'EWMAWidget', 'Surface', 'quadratic_surface', 'rosenbrock_surface',
            'saddle_surface', 'trajectory', 'plot_surface', 'plot_paths', 'heavy_ball_roots', 'heavy_ball_rate',
            'convergence_rate', 'critical_beta', 'stable_lr', 'optimal_momentum', 'lr_range', 'rate_map',
@@ -272,8 +272,10 @@ def plot_surface(ax, surface, n_levels=14):
     ax.set(xlim=surface.extent[:2], ylim=surface.extent[2:], title=surface.name)
     return [contour, *marks]
 
-# One colour per optimizer in every figure of the course (06b's and 07's figures draw them in this order too)
-OPTIMIZER_COLORS = {'SGD': 'C0', 'momentum': 'C1', 'RMSProp': 'C2', 'Adam': 'C3', 'Nesterov': 'C4'}
+# One colour per optimizer in every figure of the course; the optimizers of later notebooks take OTHER_COLORS in turn
+OPTIMIZER_COLORS = {'SGD': 'C0', 'momentum': 'C1', 'SGD momentum': 'C1', 'RMSProp': 'C2', 'Adam': 'C3', 'AdamW': 'C3',
+                    'Nesterov': 'C4'}
+OTHER_COLORS = ('C5', 'C6', 'C7', 'C8', 'C9', 'k', 'tab:olive', 'tab:cyan')
 
 def plot_paths(ax_path, ax_loss, surface, paths):
     "Draw `paths` (name -> points) on `ax_path` and their losses on `ax_loss`; return the lines by name."

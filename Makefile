@@ -67,7 +67,7 @@ readme: $(STAMP)
 
 ## The course as a static site in _site/ (Sphinx, myst-nb): every notebook runs in a kernel, cached, so it runs again
 ## only when its code, the package or what is installed changed (`make test` has run them all); a cell that raises
-## fails the build; cells flagged with nbdev's `tst_flags` (notest, cuda, browser) are not run.
+## fails the build; every cell runs, as in a student's Run All (a cell that needs a GPU checks for it itself).
 ## npm fetches the widget manager and MathJax once: the pages need no network.
 docs: $(STAMP)
 	$(BIN)/python docs/prepare.py

@@ -28,7 +28,6 @@ import nbformat
 from jupyter_cache import get_cache
 from jupyter_cache.base import CacheBundleIn
 from jupyter_cache.executors.utils import single_nb_execution
-from nbdev.config import get_config
 
 import api
 import conf
@@ -53,12 +52,21 @@ NPM_PACKAGES = {'widgets': ('@jupyter-widgets/html-manager@1.0.15', ['dist/embed
 _DIRECTIVE = re.compile(r'^\s*#\|\s*([\w-]+)\s*:?\s*(.*?)\s*$')
 # A solution cell's toggle (myst-nb's `hide-cell`: the code runs, its source and output stay closed until opened).
 SOLUTION_PROMPTS = {'code_prompt_show': 'Show the solution', 'code_prompt_hide': 'Hide the solution'}
-_WHY_NOT_RUN = {'cuda': 'it needs a CUDA GPU', 'browser': 'it needs a browser', 'notest': 'it is left out of the notebook tests'}
+# nbdev's cell flags that would let a test command skip a cell. A student's Run All skips nothing, so neither do the
+# tests and the site: a cell that needs hardware (a GPU, a browser) checks for it itself and says that it skipped, and
+# tests/test_site.py refuses these flags in every notebook.
+SKIP_FLAGS = frozenset({'notest', 'cuda', 'browser'})
 
 
-def test_flags():
-    "The cell flags that `nbdev-test` skips (`tst_flags` in pyproject.toml): the site does not run those cells either."
-    return set(str(get_config(path=ROOT).get('tst_flags', '')).split())
+def skipped_cells(nb):
+    "`(cell id, flag)` for each code cell that a test command could skip (a flag of SKIP_FLAGS, or `#| eval: false`)."
+    found = []
+    for cell in nb.cells:
+        if cell.cell_type != 'code': continue
+        directives, _ = split_directives(cell.source)
+        found += [(cell.get('id'), flag) for flag in sorted(SKIP_FLAGS & directives.keys())]
+        if directives.get('eval') == 'false': found.append((cell.get('id'), 'eval: false'))
+    return found
 
 
 def split_directives(source):
@@ -70,26 +78,21 @@ def split_directives(source):
     return directives, '\n'.join(lines)
 
 
-def tags_for(directives, skipped):
+def tags_for(directives):
     "myst-nb's cell tags for nbdev's (and Quarto's) directives."
     tags = []
     if {'hide', 'default_exp'} & directives.keys() or directives.get('include') == 'false': tags.append('remove-cell')
-    if skipped or directives.get('eval') == 'false': tags.append('skip-execution')
     if directives.get('echo') == 'false': tags.append('remove-input')
     if directives.get('output') == 'false': tags.append('remove-output')
     if 'solution' in directives: tags.append('hide-cell')
     return tags
 
 
-def process_cell(cell, flags):
+def process_cell(cell):
     directives, code = split_directives(cell.source)
-    skipped = sorted(flags & directives.keys())
-    if skipped:
-        why = ', '.join(_WHY_NOT_RUN.get(flag, f'it is marked `{flag}`') for flag in skipped)
-        code = f'# Not run for this page: {why}.\n{code}'
     cell.source = code
     cell.outputs, cell.execution_count = [], None
-    tags = list(dict.fromkeys(cell.metadata.get('tags', []) + tags_for(directives, skipped)))
+    tags = list(dict.fromkeys(cell.metadata.get('tags', []) + tags_for(directives)))
     if tags: cell.metadata['tags'] = tags
     if 'hide-cell' in tags: cell.metadata.setdefault('mystnb', {}).update(SOLUTION_PROMPTS)
 
@@ -149,12 +152,12 @@ def link_api_names(text, names):
     return _MARKDOWN_PARTS.sub(link, text)
 
 
-def process(nb, flags, targets, names=None):
+def process(nb, targets, names=None):
     "The site's copy of a notebook: cell tags for nbdev's directives, API targets, and the prose's links to the API."
     cells = []
     for cell in nb.cells:
         if cell.cell_type == 'code':
-            process_cell(cell, flags)
+            process_cell(cell)
             if cell.get('id') in targets: cells.append(target_cell(cell.id, targets[cell.id]))
         elif cell.cell_type == 'markdown' and names: cell.source = link_api_names(cell.source, names)
         cells.append(cell)
@@ -261,7 +264,7 @@ def write_sources():
 
 def _write_sources():
     SRC.mkdir(parents=True, exist_ok=True)
-    flags, (toolkit, designs) = test_flags(), api.course_modules()
+    toolkit, designs = api.course_modules()
     where = api.definitions(toolkit + designs)
     targets = {}
     for (module, name), (stem, cell_id) in where.items():
@@ -277,12 +280,12 @@ def _write_sources():
     version = version_cell(library_version())
     for stem, nb in notebooks.items():
         written.add(f'{stem}.ipynb')
-        nb = process(nb, flags, targets.get(stem, {}), names_on.get(stem, names))
+        nb = process(nb, targets.get(stem, {}), names_on.get(stem, names))
         nb.cells.insert(0, version)
         write_if_changed(SRC / f'{stem}.ipynb', nbformat.writes(nb))
     listing = nbformat.v4.new_markdown_cell(contents(course, [s for s in notebooks if s not in course]),
                                             id='site-contents')
-    write_if_changed(SRC / 'index.ipynb', nbformat.writes(process(home_page(home, listing), flags, {}, names)))
+    write_if_changed(SRC / 'index.ipynb', nbformat.writes(process(home_page(home, listing), {}, names)))
     for path, page in PAGES.items(): write_if_changed(SRC / page, (ROOT / path).read_text())
     write_if_changed(SRC / 'api.md', api.api_page({stem: title(nb) for stem, nb in notebooks.items()}))
     write_site_names(names, names_on, where)
@@ -304,8 +307,8 @@ class NotebookFailed(Exception):
 
 
 def run_notebook(stem):
-    """Execute the site's notebook `stem` as `make docs` does (a fresh kernel, in a temporary folder, the cells that
-    `nbdev-test` skips not run) and keep it in the site's cache; nothing runs if the cache has it with this code and
+    """Execute the site's notebook `stem` as `make docs` does (a fresh kernel, in a temporary folder, every cell run as a
+    student's Run All runs it) and keep it in the site's cache; nothing runs if the cache has it with this code and
     library. The seconds it took, or None when cached; `NotebookFailed` with the cell's traceback on an error."""
     path = SRC / f'{stem}.ipynb'
     with locked(f'{stem}.lock'):  # the site test's `make docs` waits for it, then finds it executed

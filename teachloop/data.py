@@ -78,13 +78,18 @@ def tensor_dls(x: torch.Tensor, y: torch.Tensor, bs: int = 64, valid_pct: float 
 
 def digits_dls(bs: int = 64, valid_pct: float = 0.2, seed: int = 42,
                shuffle_seed: int | None = None,  # the seed of the training batches' order; None: `seed`
+               noise: float = 0.,  # standard deviation of Gaussian noise added to every pixel, the same every call
                **kwargs: Any) -> DataLoaders:
     """Handwritten digits (scikit-learn's offline copy) as `DataLoaders`, split by `seed`, shuffled by `shuffle_seed`.
 
     Args:
         shuffle_seed: the seed of the training batches' order; None: `seed`
+        noise: standard deviation of Gaussian noise added to every pixel, the same every call
     """
-    return tensor_dls(*load_digits_tensors(), bs=bs, valid_pct=valid_pct, seed=seed, shuffle_seed=shuffle_seed, **kwargs)
+    if not noise >= 0: raise ValueError(f"noise must be a standard deviation >= 0 (0: the digits as they are), got {noise!r}")
+    x, y = load_digits_tensors()
+    if noise: x = x + noise * torch.randn(x.shape, generator=torch.Generator().manual_seed(0))  # drawn once, seed 0
+    return tensor_dls(x, y, bs=bs, valid_pct=valid_pct, seed=seed, shuffle_seed=shuffle_seed, **kwargs)
 
 # %% ../nbs/00_data.ipynb #c013
 def mnist_dls(path: os.PathLike | str = 'data', bs: int = 128, fashion: bool = False, download: bool = True,

@@ -585,6 +585,26 @@ def test_after_a_steered_fit_the_next_one_starts_from_the_values_the_sliders_fou
     assert set(learn.recorder.lrs) == {3e-3} and set(learn.recorder.hps['mom']) == {0.9}
 
 
+def test_a_steered_fit_is_drawn_as_it_ran_and_smoothed_as_the_recorder_plots_it():
+    """The last effective lrs are read with the slider's rate, before the fit's end puts back the one the slider found;
+    the smoothed loss is the line `Recorder.plot_loss` draws (notebook 05), without the lag of a fixed 50-batch window."""
+    import matplotlib.pyplot as plt
+    learn = digits_learner(lr=3e-3)
+    dashboard = TrainingDashboard(refresh=0.)
+    learn.fit(2, cbs=[dashboard, MoveSliderAt(dashboard.controls, 5, lr=1e-3)])
+    assert set(learn.recorder.lrs[5:]) == {1e-3} and learn.opt.hypers[0]['lr'] == 3e-3  # steered, then put back
+    learn.opt.set_hyper('lr', 1e-3)  # the rate of the fit's last steps
+    ran = effective_lr_stats(learn.opt, learn.model)
+    for name, rows in dashboard.elr_history.items():
+        assert rows[-1][0] == learn.train_iter and np.allclose(rows[-1][1:], ran[name].numpy(), rtol=1e-6), name
+    ax = learn.recorder.plot_loss()
+    drawn = ax.lines[1].get_ydata()
+    plt.close(ax.figure)
+    assert len(drawn) == len(learn.recorder.losses) == 2 * len(DLS.train)
+    assert np.allclose(dashboard.series['smooth'].y, drawn, rtol=1e-6)
+    assert dashboard.snapshot()['smooth_window'] == round(len(learn.recorder.losses) / 25)
+
+
 def test_after_a_steered_scheduled_fit_the_optimizer_holds_what_the_schedule_left():
     import teachloop.callback.schedule  # noqa: F401  (adds Learner.fit_one_cycle)
     plain = digits_learner()

@@ -92,6 +92,53 @@ def test_the_rates_and_weights_are_those_of_torchs_loop(name):
     assert all(map(torch.equal, weights(learn), weights(net)))
 
 
+def throwaway_optimizer():
+    "A torch optimizer that no fit uses: what a user made a scheduler on before handing it to the callback."
+    return torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.5, momentum=0.5)
+
+
+@pytest.mark.numeric
+@pytest.mark.parametrize('name', [name for name in SCHEDULES if not name.startswith(('OneCycleLR', 'CyclicLR'))])
+def test_a_scheduler_made_on_another_optimizer_is_made_again_on_the_fits(name):
+    "A scheduler instance: its arguments read back, the scheduler made on the fit's optimizer, torch's loop's values."
+    _, kwargs, make_scheduler, per_batch = SCHEDULES[name]
+    scheduler = make_scheduler(throwaway_optimizer())
+    handed_over = dict(scheduler.optimizer.param_groups[0], params=None), scheduler.state_dict()
+    learn = learner(partial(OptimWrapper, opt=torch.optim.SGD, momentum=0.9))
+    learn.fit(N_EPOCH, cbs=[LRSchedulerCallback(scheduler, step=kwargs.get('step'))])
+    net, lrs, _ = torch_loop(lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9), make_scheduler, per_batch)
+    assert learn.recorder.hps['lr'] == lrs and len(set(lrs)) > 1
+    assert all(map(torch.equal, weights(learn), weights(net)))
+    assert (dict(scheduler.optimizer.param_groups[0], params=None), scheduler.state_dict()) == handed_over  # untouched
+
+
+@pytest.mark.numeric
+def test_a_lambda_schedule_made_on_another_optimizer_keeps_its_function():
+    scheduler = lr_scheduler.LambdaLR(throwaway_optimizer(), lambda epoch: 0.5 ** epoch)
+    learn = learner()
+    learn.fit(N_EPOCH, cbs=[LRSchedulerCallback(scheduler)])
+    assert learn.recorder.hps['lr'][::N_ITER] == [0.05, 0.025, 0.0125]
+
+
+@pytest.mark.parametrize('make, error, match', [
+    (lambda o: lr_scheduler.OneCycleLR(o, 0.1, total_steps=TOTAL), TypeError,
+     r"give the class and its arguments instead, LRSchedulerCallback\(OneCycleLR, total_steps=24, max_lr=\.\.\.\)"),
+    (lambda o: lr_scheduler.CyclicLR(o, 0.01, 0.1, step_size_up=5), TypeError,
+     r"LRSchedulerCallback\(CyclicLR, base_lr=0.01, max_lr=0.1\), with those of step_size_up, step_size_down"),
+    (lambda o: lr_scheduler.ReduceLROnPlateau(o), ValueError, "teachloop's ReduceLROnPlateau"),
+    (lambda o: lr_scheduler.SequentialLR(o, [lr_scheduler.StepLR(o, 1), lr_scheduler.StepLR(o, 2)], [1]), ValueError,
+     'chain the schedules themselves'),
+])
+def test_a_scheduler_that_cannot_be_made_again_is_refused_with_the_call_that_works(make, error, match):
+    with pytest.raises(error, match=match): LRSchedulerCallback(make(throwaway_optimizer()))
+
+
+def test_a_scheduler_that_has_stepped_is_refused():
+    scheduler = lr_scheduler.StepLR(throwaway_optimizer(), 1)
+    scheduler.optimizer.step(); scheduler.step()
+    with pytest.raises(ValueError, match='has stepped 1 times'): LRSchedulerCallback(scheduler)
+
+
 @pytest.mark.numeric
 @pytest.mark.parametrize('ours, theirs', [
     (partial(SGD, mom=0.9), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
@@ -128,8 +175,9 @@ def test_the_optimizer_keeps_no_trace_of_torchs_bookkeeping():
 
 @pytest.mark.parametrize('make, error, match', [
     (lambda: LRSchedulerCallback(lr_scheduler.ReduceLROnPlateau), ValueError, "teachloop's ReduceLROnPlateau"),
-    (lambda: LRSchedulerCallback(lr_scheduler.StepLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), 2)),
-     TypeError, 'a class of torch.optim.lr_scheduler'),
+    (lambda: LRSchedulerCallback(torch.optim.SGD), TypeError, 'a class of torch.optim.lr_scheduler'),
+    (lambda: LRSchedulerCallback(lr_scheduler.StepLR(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), 2), 3),
+     TypeError, 'give the scheduler alone'),
     (lambda: LRSchedulerCallback(lr_scheduler.StepLR, torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1), 2),
      TypeError, 'leave the optimizer out'),
     (lambda: LRSchedulerCallback(lr_scheduler.StepLR, step_sise=2), TypeError, r"StepLR\(optimizer"),

@@ -1,8 +1,8 @@
 """The course site: every notebook run top to bottom in a Jupyter kernel, then the site built and read in a browser.
 
 `test_notebook_runs_top_to_bottom` is the notebook test: one test per notebook, each executed in a fresh kernel
-exactly as `make docs` executes it (cells flagged `notest`, `cuda` or `browser` are not run, as `nbdev-test` skips
-them), and kept in the site's cache. A cell that raises fails the test with its traceback. A notebook that the cache
+exactly as `make docs` executes it and as a student's Run All does, every cell run (a cell that needs a GPU or a browser
+checks for it itself; `test_no_cell_is_skipped_by_the_test_command` keeps it so), and kept in the site's cache. A cell that raises fails the test with its traceback. A notebook that the cache
 holds with the same code, library and installed packages is not run again. The notebooks run in parallel with the
 other tests (pytest-xdist), and `make docs` then only renders them.
 
@@ -100,10 +100,30 @@ def test_notebook_runs_top_to_bottom(site_sources, stem):
 
 def test_a_solution_cell_runs_hidden_behind_a_toggle():
     cell = prepare.nbformat.v4.new_code_cell('#| solution\n# Exercise 1: the window\nassert 1 / (1 - 0.9) > 9.99')
-    prepare.process_cell(cell, prepare.test_flags())
+    prepare.process_cell(cell)
     assert cell.source == '# Exercise 1: the window\nassert 1 / (1 - 0.9) > 9.99'
     assert cell.metadata['tags'] == ['hide-cell'] and cell.metadata['mystnb'] == prepare.SOLUTION_PROMPTS
-    assert 'skip-execution' not in prepare.tags_for({'solution': ''}, [])  # it runs, on the site and in the tests
+    assert 'skip-execution' not in prepare.tags_for({'solution': ''})  # it runs, on the site and in the tests
+
+
+def test_no_cell_is_skipped_by_the_test_command():
+    """A student's Run All runs every cell, so the notebook test and the site do: a cell that needs hardware checks for
+    it itself and says that it skipped, and no notebook keeps nbdev's skip flags."""
+    flagged = {stem: cells for stem in prepare.notebook_stems()
+               if (cells := prepare.skipped_cells(prepare.nbformat.read(prepare.NBS / f'{stem}.ipynb', as_version=4)))}
+    assert not flagged, (f"cells the notebook test would skip, where a student runs them: {flagged}. Drop the flag and "
+                         "let the cell check for what it needs (`if not torch.cuda.is_available(): print('no GPU here: "
+                         "... skipped')`)")
+
+
+def test_a_flagged_cell_is_seen_and_runs_on_the_site():
+    flagged = prepare.nbformat.v4.new_code_cell('#| cuda\nassert torch.cuda.is_available()')
+    cell = prepare.nbformat.from_dict(dict(flagged))
+    prepare.process_cell(cell)
+    assert 'skip-execution' not in cell.metadata.get('tags', [])
+    nb = prepare.nbformat.v4.new_notebook(cells=[flagged, prepare.nbformat.v4.new_code_cell('#| eval: false\n1')])
+    nb.cells[0].id, nb.cells[1].id = 'a', 'b'
+    assert prepare.skipped_cells(nb) == [('a', 'cuda'), ('b', 'eval: false')]
 
 
 def test_the_sidebar_lists_the_appendices_apart_from_the_course(site_sources):

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 
+from ..callback.core import smoothing_window
 from ..core import check_save_path
 from .buffers import BoundedSeries, DeviceBuffer, RunningSmoother, downsample_minmax
 from .controls import FitControls, FitHandle, SteeringCallback, fit_background
@@ -98,7 +99,8 @@ def before_fit(self:TrainingDashboard):
     self._module_kinds = {name: type(m).__name__ for name, m in self.model.named_modules()}
     layers = {layer_name(name) for name, _ in self.model.named_parameters()}
     self.layer_labels = {layer: layer_label(self.model, layer) for layer in layers}
-    self.epoch_ends, self._smoother = [], RunningSmoother()
+    self.smooth_window = smoothing_window(self.n_epoch * len(self.dls.train) if hasattr(self.dls.train, '__len__') else 0)
+    self.epoch_ends, self._smoother = [], RunningSmoother(1 - 1 / self.smooth_window)  # as `Recorder.plot_loss` smooths
     self._update_ratio, self._measure_next_step, self._ratio_pending = None, True, None
     self._last_loss = self.learn.loss  # the last fit's: a batch still showing it was cancelled before its loss
     self.samples, self.batches_done, self.ticks, self._total = 0, 0, 0, None
@@ -238,6 +240,7 @@ def snapshot(self:TrainingDashboard) -> dict:
     "The values the figure shows, as copies that another thread may read."
     copy = lambda s: (s.x.copy(), s.y.copy())
     return {'loss': copy(self.series['loss']), 'smooth': copy(self.series['smooth']), 'valid': copy(self.series['valid']),
+            'smooth_window': self.smooth_window,
             'epochs': _every_nth(list(self.epoch_ends), 25),
             'changes': [(step, f"{name}={value:.3g}") for step, name, value in _every_nth(self.changes, 50)],
             'hypers': {key: copy(s) for key, s in self.hyper_series.items()},
@@ -275,13 +278,15 @@ def status(self:TrainingDashboard) -> str:
 # %% ../../nbs/11e_dashboard.ipynb #c052
 @patch
 def cleanup_fit(self:TrainingDashboard):
-    super(TrainingDashboard, self).cleanup_fit()
-    if not hasattr(self, '_losses'): return
-    try:
-        self._read_effective_lrs()
-        self.tick()
-    except Exception as e: warnings.warn(f"the dashboard could not read the fit's last values: {type(e).__name__}: {e}")
-    finally: self._close_display()
+    if hasattr(self, '_losses'):
+        try:
+            self._read_effective_lrs()
+            self.tick()
+        except Exception as e: warnings.warn(f"the dashboard could not read the fit's last values: {type(e).__name__}: {e}")
+    # after the last reading, which shows the fit as it ran: the steering puts back the values the sliders found
+    try: super(TrainingDashboard, self).cleanup_fit()
+    finally:
+        if hasattr(self, '_losses'): self._close_display()
 
 @patch
 def _close_display(self:TrainingDashboard):
@@ -315,7 +320,6 @@ def _show_final(self:TrainingDashboard):
         from IPython.display import Image, display
         display(Image(plot.png()))
 
-
 # %% ../../nbs/11e_dashboard.ipynb #c054
 def _as_tensors(series):
     "`{key: (x, y)}` of plot lines, as tensors a checkpoint can keep."
@@ -334,7 +338,7 @@ def state_dict(self:TrainingDashboard) -> dict:
     hypers = {f'{name}/{group}': s for (name, group), s in self.hyper_series.items()}
     return {'series': _as_tensors(self.series), 'hypers': _as_tensors(hypers), 'ratios': _as_tensors(self.ratio_series),
             'effective_lr': {name: torch.tensor(np.asarray(rows, dtype=float)) for name, rows in self.elr_history.items()},
-            'smoother': (self._smoother.average, self._smoother.count), 'first_step': self._first_step,
+            'smoother': (self._smoother.average, self._smoother.count, self._smoother.beta), 'first_step': self._first_step,
             'epoch_ends': list(self.epoch_ends)}
 
 @patch
@@ -345,7 +349,8 @@ def load_state_dict(self:TrainingDashboard, state):
     _into_series({k: v for k, v in state['hypers'].items() if k in hypers}, hypers, self.max_points)
     _into_series(state['ratios'], self.ratio_series, self.max_points)
     self.elr_history = {name: [tuple(row) for row in rows.tolist()] for name, rows in state['effective_lr'].items()}
-    self._smoother.average, self._smoother.count = state['smoother']
+    self._smoother.average, self._smoother.count, *beta = state['smoother']  # older checkpoints: no beta
+    if beta: self._smoother.beta = beta[0]
     self._first_step, self.epoch_ends = state['first_step'], list(state['epoch_ends'])
 
 # %% ../../nbs/11e_dashboard.ipynb #c055

@@ -86,7 +86,9 @@ class DashboardPlot:
 def _plot_loss(self:DashboardPlot, snap):
     lines = self.lines
     _set_line(lines, self.ax_loss, 'loss', *snap['loss'], color='C0', alpha=0.25, lw=0.7, label='train (batch)')
-    _set_line(lines, self.ax_loss, 'smooth', *snap['smooth'], color='C0', lw=1.5, label='train (smoothed)')
+    smooth = _set_line(lines, self.ax_loss, 'smooth', *snap['smooth'], color='C0', lw=1.5)
+    window = snap.get('smooth_window')
+    smooth.set_label(f'train (moving average over ~{window} batches)' if window else 'train (smoothed)')
     _set_line(lines, self.ax_loss, 'valid', *snap['valid'], color='C1', marker='o', ms=4, label='valid')
     finite = snap['loss'][1][np.isfinite(snap['loss'][1])]
     low, high = (finite.min(), finite.max()) if finite.size else (0., 1.)
@@ -169,4 +171,3 @@ def png(self:DashboardPlot) -> bytes:
     "The figure as PNG bytes."
     self.figure.canvas.draw()
     return figure_png(self.figure)
-

@@ -23,11 +23,12 @@ from ..figures import FigureWidget, figure_png, float_slider
 from ..optim.core import SGD, Adam, RMSProp
 
 # %% auto #0
-__all__ = ['SURFACES', 'DECAY_CURVATURES', 'check_beta', 'ewma', 'plot_ewma', 'debiased_ewma', 'effective_window', 'ewma_weights',
-           'EWMAWidget', 'Surface', 'quadratic_surface', 'rosenbrock_surface', 'saddle_surface', 'trajectory',
-           'plot_surface', 'plot_paths', 'heavy_ball_roots', 'heavy_ball_rate', 'convergence_rate', 'critical_beta',
-           'stable_lr', 'optimal_momentum', 'lr_range', 'rate_map', 'plot_rate_map', 'optimizer_set',
-           'TrajectoryWidget', 'direction_errors', 'DirectionDecayWidget', 'record_gradient', 'GradientStreamWidget']
+__all__ = ['SURFACES', 'OPTIMIZER_COLORS', 'OTHER_COLORS', 'DECAY_CURVATURES', 'check_beta', 'ewma', 'plot_ewma', 'debiased_ewma',
+           'effective_window', 'ewma_weights', 'EWMAWidget', 'Surface', 'quadratic_surface', 'rosenbrock_surface',
+           'saddle_surface', 'trajectory', 'plot_surface', 'plot_paths', 'heavy_ball_roots', 'heavy_ball_rate',
+           'convergence_rate', 'critical_beta', 'stable_lr', 'optimal_momentum', 'lr_range', 'rate_map',
+           'plot_rate_map', 'optimizer_set', 'TrajectoryWidget', 'direction_errors', 'DirectionDecayWidget',
+           'record_gradient', 'GradientStreamWidget']
 
 # %% ../../nbs/02_momentum.ipynb #c005
 def check_beta(beta, name='beta'):
@@ -271,12 +272,18 @@ def plot_surface(ax, surface, n_levels=14):
     ax.set(xlim=surface.extent[:2], ylim=surface.extent[2:], title=surface.name)
     return [contour, *marks]
 
+# One colour per optimizer in every figure of the course; the optimizers of later notebooks take OTHER_COLORS in turn
+OPTIMIZER_COLORS = {'SGD': 'C0', 'momentum': 'C1', 'SGD momentum': 'C1', 'RMSProp': 'C2', 'Adam': 'C3', 'AdamW': 'C3',
+                    'Nesterov': 'C4'}
+OTHER_COLORS = ('C5', 'C6', 'C7', 'C8', 'C9', 'k', 'tab:olive', 'tab:cyan')
+
 def plot_paths(ax_path, ax_loss, surface, paths):
     "Draw `paths` (name -> points) on `ax_path` and their losses on `ax_loss`; return the lines by name."
     path_lines, loss_lines = {}, {}
     for i, (name, path) in enumerate(paths.items()):
-        path_lines[name] = ax_path.plot(path[:, 0], path[:, 1], '.-', color=f'C{i}', ms=2, lw=1, label=name)[0]
-        loss_lines[name] = ax_loss.plot(surface.loss(path), color=f'C{i}', lw=1, label=name)[0]
+        color = OPTIMIZER_COLORS.get(name, f'C{i}')
+        path_lines[name] = ax_path.plot(path[:, 0], path[:, 1], '.-', color=color, ms=2, lw=1, label=name)[0]
+        loss_lines[name] = ax_loss.plot(surface.loss(path), color=color, lw=1, label=name)[0]
     ax_loss.set(yscale='log', xlabel='step', ylabel='loss')
     return path_lines, loss_lines
 
@@ -386,12 +393,14 @@ class TrajectoryWidget(FigureWidget):
                 ):
         import ipywidgets as widgets
         if surface not in SURFACES: raise KeyError(f"unknown surface {surface!r}; choose one of {sorted(SURFACES)}")
-        fig = Figure(figsize=(14, 4.3))
-        self.ax_path, self.ax_loss, self.ax_map = fig.subplots(1, 3, width_ratios=[1.25, 1, 1])
+        fig = Figure(figsize=(10, 7.6))  # two rows: three panels in a row leave a page's column unreadable
+        grid = fig.add_gridspec(2, 2, height_ratios=[1.3, 1])
+        self.ax_path, self.ax_map, self.ax_loss = (fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]),
+                                                   fig.add_subplot(grid[1, :]))
         at_start = SURFACES[surface].start[None]
         self.path_lines, self.loss_lines = plot_paths(self.ax_path, self.ax_loss, SURFACES[surface],
                                                       dict.fromkeys(optimizer_set(1., 1., 0., 0., 1.), at_start))
-        self.ax_path.legend(fontsize=8, loc='upper right')
+        self.ax_path.legend(fontsize=9, loc='upper right')
         self.marker = self.ax_map.plot([], [], '*', color='r', ms=13, mec='w')[0]
         self.surface, self.surface_artists, self.paths = None, [], {}
         dropdown = widgets.Dropdown(options=list(SURFACES), value=surface, description='surface')
@@ -418,7 +427,7 @@ class TrajectoryWidget(FigureWidget):
         for artist in self.surface_artists: artist.remove()
         self.surface_artists = plot_surface(self.ax_path, surface)
         self.surface_artists += plot_rate_map(self.ax_map, surface.curvatures).values()
-        self.ax_map.legend(fontsize=7, loc='lower left')
+        self.ax_map.legend(fontsize=8, loc='lower left')
         self.surface = surface
         self.forget_background()
 
@@ -470,19 +479,22 @@ class DirectionDecayWidget(FigureWidget):
         if curvatures.ndim != 1 or not (curvatures > 0).all():
             raise ValueError(f"curvatures must be a list of positive numbers, got {curvatures.tolist()}")
         self.curvatures = curvatures
-        fig = Figure(figsize=(14, 4))
-        self.ax_map, self.ax_errors, self.ax_left = fig.subplots(1, 3, width_ratios=[1.1, 1.2, 1])
+        fig = Figure(figsize=(10, 7.2))  # two rows: three panels in a row leave a page's column unreadable
+        grid = fig.add_gridspec(2, 2, height_ratios=[1, 1])
+        self.ax_map, self.ax_left, self.ax_errors = (fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1]),
+                                                     fig.add_subplot(grid[1, :]))
         plot_rate_map(self.ax_map, curvatures)
-        self.ax_map.legend(fontsize=7, loc='lower left')
+        self.ax_map.legend(fontsize=8, loc='lower left')
         self.marker = self.ax_map.plot([], [], '*', color='r', ms=13, mec='w')[0]
         colors = [matplotlib.colormaps['plasma'](i / max(len(curvatures) - 1, 1) * 0.85) for i in range(len(curvatures))]
         self.lines = [self.ax_errors.plot([], [], color=c, lw=1.3, label=f'lambda = {k:.3g}')[0]
                       for c, k in zip(colors, curvatures)]
         self.ax_errors.set(yscale='log', ylim=(1e-12, 1e3), xlabel='step', ylabel='|error| of the direction')
-        self.ax_errors.legend(fontsize=7, loc='lower left')
+        self.ax_errors.legend(fontsize=8, loc='lower left', ncol=2)
         self.bars = self.ax_left.bar(range(len(curvatures)), np.ones(len(curvatures)), color=colors, bottom=1e-12)
         self.ax_left.set(yscale='log', ylim=(1e-12, 1e3), xticks=range(len(curvatures)),
-                         xticklabels=[f'{k:.3g}' for k in curvatures], xlabel='curvature of the direction')
+                         xticklabels=[f'{k:.2g}' for k in curvatures], xlabel='curvature of the direction')
+        self.ax_left.tick_params(axis='x', labelrotation=45)  # the labels do not run into each other
         self.rate_labels = [self.ax_left.text(i, 2e-12, '', ha='center', va='bottom', fontsize=7, rotation=90)
                             for i in range(len(curvatures))]
         controls = dict(lr=float_slider('lr', lr, *lr_range(curvatures), log=True),

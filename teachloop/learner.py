@@ -656,6 +656,7 @@ def _check_callbacks_fit(self:Learner):
     "Let each callback refuse this fit in `check_fit`, now that the optimizer exists and nothing has changed."
     for cb in self.cbs: cb.check_fit()
 
+# %% ../nbs/04_learner.ipynb #c025c
 @patch
 def _cleanup(self:Learner):
     self.fit_state.training, self._events = False, self._event_tables[False]
@@ -1172,13 +1173,9 @@ def _note_hyper_write(self:Learner, name):
     writers = self.hyper_writes.setdefault(name, {})
     if cb in writers: return
     writers[cb] = self._running.__name__
-    undeclared = [w for w in writers if not _declares(w, name)]
-    if len(writers) > 1 and undeclared: raise HyperParameterClash(_clash_message(name, writers, undeclared))
-
-def _declares(cb, name):
-    "Whether `cb` says that it writes `name` (`'*'`: any, over the other writers on purpose)."
-    declared = cb.hypers_written()
-    return name in declared or '*' in declared
+    others = {w: event for w, event in writers.items() if '*' not in w.hypers_written()}  # '*': over the others, on purpose
+    undeclared = [w for w in others if name not in w.hypers_written()]
+    if len(others) > 1 and undeclared: raise HyperParameterClash(_clash_message(name, others, undeclared))
 
 def _clash_message(name, writers, undeclared):
     said = ' and '.join(f"{type(cb).__name__} (in `{event}`"

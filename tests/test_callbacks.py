@@ -209,7 +209,7 @@ def test_each_step_has_the_gradient_of_one_batch_of_all_its_items(left_out):
     if skipped: assert learn.mixed_precision.skipped == 1
     # the Recorder has every batch's own loss (a left-out one's too), not the scaled one its backward saw
     weights = [next(s['weights'] for s in probe.steps if s['batch'] >= i) for i in range(len(log.batches))]
-    own = [F.mse_loss(with_weights(learn.model, w)(x), y).float().item() for w, (x, y, _) in zip(weights, log.batches)]
+    own = [F.mse_loss(with_weights(learn.model, w)(x), y).item() for w, (x, y, _) in zip(weights, log.batches)]  # float64
     assert learn.recorder.losses == own
 
 

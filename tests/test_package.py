@@ -44,8 +44,10 @@ def test_extras_name_the_optional_packages():
 def installed(tmp_path_factory):
     "A fresh venv with the wheel installed; returns (python, a work folder outside the checkout)."
     tmp = tmp_path_factory.mktemp('wheel')
+    # a PYTHONPATH holding the checkout would make pip find teachloop installed already in the fresh environment
+    env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
     subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation', '-q', '-w', str(tmp),
-                    str(ROOT)], check=True, cwd=tmp)
+                    str(ROOT)], check=True, cwd=tmp, env=env)
     wheel, = tmp.glob('teachloop-*.whl')
     env_dir = tmp / 'env'
     venv.EnvBuilder(with_pip=False).create(env_dir)
@@ -54,7 +56,7 @@ def installed(tmp_path_factory):
                                check=True, capture_output=True, text=True).stdout.strip())
     (site / 'runtime_dependencies.pth').write_text(sysconfig.get_paths()['purelib'] + '\n')
     subprocess.run([sys.executable, '-m', 'pip', '--python', str(python), 'install', '--no-deps', '-q', str(wheel)],
-                   check=True, cwd=tmp)
+                   check=True, cwd=tmp, env=env)
     work = tmp / 'work'
     work.mkdir()
     return python, work

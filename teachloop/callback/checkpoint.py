@@ -246,7 +246,7 @@ class Checkpoint(StepSetting):
         every_n_epochs: write after every this many epochs
         keep: how many epoch files to keep (None: all)
     """
-    observes = True
+    order, observes = 70, True  # after the Recorder (50) and the progress bar (60), as it writes their state
     def __init__(self,
                  folder,  # where `epoch-NNN.pt` and `latest.pt` go
                  every_n_epochs=1,  # write after every this many epochs

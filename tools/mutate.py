@@ -1,12 +1,12 @@
 """Mutation testing of teachloop's core modules with cosmic-ray: how many small bugs put into the code do the tests catch?
 
-    python tools/mutate.py [--modules teachloop/inference.py ...] [--sample 60] [--seed 0] [--workers 2]
-                           [--cap 120] [--report bench/results/mutation-report.md]
+    python tools/mutate.py [--modules teachloop/inference.py ...] [--sample 50] [--seed 0] [--workers 2]
+                           [--cap 60] [--report bench/results/mutation-report.md]
 
 `make mutate` runs it on every module of `MODULES` (it is not part of `make test`). For each module:
 1. cosmic-ray lists its mutants, with every operator that needs no arguments (binary, comparison and unary operators
    swapped, numbers changed, True and False swapped, `and` and `or` swapped, `not` added, loops run zero times,
-   decorators removed, exceptions replaced);
+   decorators removed, exceptions replaced), less those in type annotations (never run) and those that are not Python;
 2. a fixed random sample of them (`--sample` per module, drawn with `--seed`; `--sample 0`: all) is tried, each in a
    scratch copy of the working tree (the checkout itself is never changed), against the tests of the module's test
    files that ran the mutated function (or class) in one coverage run of those files, where each test is its own
@@ -34,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from pathlib import Path
 
 import cosmic_ray.plugins
 from cosmic_ray.commands import init
-from cosmic_ray.mutating import use_mutation
+from cosmic_ray.mutating import mutate_code, use_mutation
 from cosmic_ray.work_db import use_db
 from cosmic_ray.work_item import TestOutcome, WorkerOutcome, WorkResult
 from coverage import CoverageData
@@ -64,6 +65,7 @@ MODULES = {
     'teachloop/inference.py': ['tests/test_inference.py'],
 }
 
+UNTESTED = "no test of the module's test files runs this code"
 SESSIONS = ROOT / '.mutation'  # cosmic-ray's session files (ignored by git)
 REPORT = ROOT / 'bench' / 'results' / 'mutation-report.md'
 
@@ -265,28 +267,44 @@ def annotation_spans(source):
     return spans
 
 
+def is_python(source, spec):
+    "Whether the mutant `spec` of `source` compiles (cosmic-ray swaps the `**` of `{**d}` and `f(**kw)` too)."
+    operator = cosmic_ray.plugins.get_operator(spec.operator_name)(**spec.operator_args)
+    with warnings.catch_warnings():
+        warnings.simplefilter('ignore', SyntaxWarning)  # `x is 1`: Python, and a mutant to try
+        try: compile(mutate_code(source, operator, spec.occurrence) or '', str(spec.module_path), 'exec')
+        except SyntaxError: return False
+    return True
+
+
 def sample_mutants(module, size, seed):
-    "A new cosmic-ray session for `module`: (its number of mutants, those in annotations, the sample of the others)."
+    "A new cosmic-ray session for `module`: the sample of its mutants, and their numbers (all, in annotations, not Python)."
     SESSIONS.mkdir(exist_ok=True)
-    spans = annotation_spans((ROOT / module).read_text())
+    source = (ROOT / module).read_text()
+    spans = annotation_spans(source)
     def in_annotation(w): return any(a <= tuple(w.mutations[0].start_pos) < b for a, b in spans)
     with use_db(str(SESSIONS / f"{module.replace('/', '.')}.sqlite")) as db:
         init(module_paths=[Path(module)], work_db=db, operator_cfgs={})  # operators needing arguments are left out
         items = sorted(db.work_items, key=lambda w: (w.mutations[0].operator_name, w.mutations[0].occurrence))
         candidates = [w for w in items if not in_annotation(w)]
-        chosen = (candidates if size <= 0 or size >= len(candidates)
-                  else random.Random(f"{seed}:{module}").sample(candidates, size))
+        if 0 < size < len(candidates): candidates = random.Random(f"{seed}:{module}").sample(candidates, len(candidates))
+        chosen, invalid = [], 0
+        for w in candidates:  # in the drawn order, until the sample is full
+            if 0 < size <= len(chosen): break
+            if is_python(source, w.mutations[0]): chosen.append(w)
+            else: invalid += 1
         skipped = {w.job_id for w in items} - {w.job_id for w in chosen}
         db.set_multiple_results(skipped, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
-    return len(items), len(items) - len(candidates), [Mutant(module, w.job_id, w.mutations[0], '') for w in chosen]
+    counts = {'mutants': len(items), 'annotations': len(items) - len([w for w in items if not in_annotation(w)]),
+              'invalid': invalid}
+    return [Mutant(module, w.job_id, w.mutations[0], '') for w in chosen], counts
 
 
 def plan(modules, args, lines, times):
-    "The sampled mutants of every module, each with its tests; and {module: (mutants, mutants in annotations)}."
+    "The sampled mutants of every module, each with its tests; and the numbers of mutants of each module."
     totals, mutants = {}, []
     for module in modules:
-        total, annotated, sampled = sample_mutants(module, args.sample, args.seed)
-        totals[module] = (total, annotated)
+        sampled, totals[module] = sample_mutants(module, args.sample, args.seed)
         module_tests = [t for t, (_, result) in times.items()
                         if result == 'passed' and t.split('::')[0] in MODULES[module]]
         found = scopes((ROOT / module).read_text())
@@ -326,7 +344,7 @@ def try_mutant(mutant, runner, times):
             mutant.result = WorkResult(worker_outcome=WorkerOutcome.NO_TEST)
             return mutant
         if mutant.tests: code, output = run_tests(mutant, runner, times)
-        else: code, output, mutant.note = 0, '', 'no test runs this code'
+        else: code, output, mutant.note = 0, '', UNTESTED
     mutant.result = WorkResult(worker_outcome=WorkerOutcome.NORMAL, test_outcome=outcome(code), output=output,
                                diff=diff_of(original, mutated, mutant.module))
     return mutant
@@ -374,20 +392,19 @@ def wilson(killed, n, z=1.96):
     return ((centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n))
 
 
-def module_row(module, totals, mutants):
+def module_row(module, counts, mutants):
     tried = [m for m in mutants if m.result.worker_outcome == WorkerOutcome.NORMAL]
     killed = [m for m in tried if m.result.test_outcome == TestOutcome.KILLED]
     survived = [m for m in tried if m.result.test_outcome == TestOutcome.SURVIVED]
-    untested = [m for m in survived if m.note == 'no test runs this code']
+    untested = [m for m in survived if m.note == UNTESTED]
     timeouts = [m for m in killed if m.note.startswith('timed out')]
     incompetent = [m for m in tried if m.result.test_outcome == TestOutcome.INCOMPETENT]
     scored = len(killed) + len(survived)
     low, high = wilson(len(killed), scored)
-    seconds = sum(m.seconds for m in mutants)
     score = f"{len(killed) / scored:.0%}" if scored else '-'
-    total, annotated = totals
-    return (f"| `{module}` | {total} | {annotated} | {len(tried)} | {len(killed)} | {len(survived) - len(untested)} | {len(untested)} "
-            f"| {len(timeouts)} | {len(incompetent)} | **{score}** | {low:.0%}-{high:.0%} | {seconds / 60:.1f} min |")
+    return (f"| `{module}` | {counts['mutants']} | {counts['annotations']} | {counts['invalid']} | {len(tried)} "
+            f"| {len(killed)} | {len(survived) - len(untested)} | {len(untested)} | {len(timeouts)} | {len(incompetent)} "
+            f"| **{score}** | {low:.0%}-{high:.0%} | {sum(m.seconds for m in mutants) / 60:.1f} min |")
 
 
 def survivor_entry(mutant):
@@ -418,9 +435,9 @@ def write_report(path, args, totals, mutants, failing, durations):
         f"{args.cap:.0f} s of them as timed in the coverage run), fastest first, up to the first failure. The score is "
         "killed / (killed + survived); the interval is the 95% interval of the sample's score (Wilson).",
         "",
-        "| module | mutants | in annotations (left out) | tried | killed | survived | no test runs it | timeouts (killed) | incompetent | score "
-        "| 95% interval | time |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| module | mutants | in annotations (left out) | not Python (drawn, left out) | tried | killed | survived "
+        "| no test runs it (survived) | timeouts (killed) | incompetent | score | 95% interval | time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         *(module_row(module, totals[module], by_module[module]) for module in totals),
         "",
         f"Duration: {durations['all'] / 60:.1f} min in all: the coverage run {durations['baseline'] / 60:.1f} min, the "
@@ -445,10 +462,10 @@ def write_report(path, args, totals, mutants, failing, durations):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--modules', nargs='+', default=list(MODULES), help='modules of MODULES to mutate (all)')
-    parser.add_argument('--sample', type=int, default=60, help='mutants tried per module, 0 for all (60)')
+    parser.add_argument('--sample', type=int, default=50, help='mutants tried per module, 0 for all (50)')
     parser.add_argument('--seed', type=int, default=0, help="the sample's seed (0)")
     parser.add_argument('--workers', type=int, default=2, help='mutants tried at once, each in its own copy (2)')
-    parser.add_argument('--cap', type=float, default=120., help="seconds of a mutant's tests, as timed (120)")
+    parser.add_argument('--cap', type=float, default=60., help="seconds of a mutant's tests, as timed (60)")
     parser.add_argument('--report', type=Path, default=REPORT, help='the Markdown report to write')
     args = parser.parse_args(argv)
     unknown = [m for m in args.modules if m not in MODULES]

@@ -111,17 +111,29 @@ def pytest_env(copy, **extra):
             'PYTHONDONTWRITEBYTECODE': '1', **extra}
 
 
+def one_at_a_time_each(holders, items, function):
+    "`function(holder, item)` for every item, each of `holders` (copies, runners) busy with one at a time; as they end."
+    free = queue.Queue()
+    for holder in holders: free.put(holder)
+    def call(item):
+        holder = free.get()
+        try: return function(holder, item)
+        finally: free.put(holder)
+    with ThreadPoolExecutor(len(holders)) as pool:
+        yield from (future.result() for future in as_completed([pool.submit(call, item) for item in items]))
+
+
 PYTEST_ARGS = ['-q', '-p', 'no:cacheprovider', '-p', 'mutation_contexts', '-n', '0']
 
 
-def coverage_run(copy, test_files):
-    "Run `test_files` in `copy` under coverage, every Python subprocess too, each test in its own context."
+def coverage_run(copy, test_file):
+    "Run `test_file` in `copy` under coverage, every Python subprocess too, each test in its own context."
     rc = copy / '.mutation-rc'
     rc.write_text(f"[run]\nsource = {copy / 'teachloop'}\nparallel = true\npatch = subprocess\n"
                   f"data_file = {copy / '.mutation-coverage'}\n")
-    env = pytest_env(copy, MUTATION_TIMES=str(copy / '.mutation-times.json'))
+    times = copy / f".mutation-times-{Path(test_file).stem}.json"
     subprocess.run([sys.executable, '-m', 'coverage', 'run', '--rcfile', str(rc), '-m', 'pytest', *PYTEST_ARGS,
-                    *test_files], cwd=copy, env=env, capture_output=True)
+                    test_file], cwd=copy, env=pytest_env(copy, MUTATION_TIMES=str(times)), capture_output=True)
 
 
 # ---- a server per copy that runs pytest in forked children: the libraries every run imports, imported once
@@ -203,13 +215,11 @@ class Runner:
 # ---- which tests run which lines: one coverage run, each test its own context
 
 def baseline(copies, test_files):
-    "Run `test_files` under coverage in the copies at once: ({module: {line: contexts}}, {node id: (seconds, outcome)})."
-    shares = [test_files[i::len(copies)] for i in range(len(copies))]
-    with ThreadPoolExecutor(len(copies)) as pool:
-        for run in [pool.submit(coverage_run, copy, files) for copy, files in zip(copies, shares) if files]: run.result()
+    "Run each of `test_files` under coverage in a free copy: ({module: {line: contexts}}, {node id: (seconds, outcome)})."
+    for _ in one_at_a_time_each(copies, test_files, coverage_run): pass
     times, lines = {}, defaultdict(lambda: defaultdict(set))
     for copy in copies:
-        if (copy / '.mutation-times.json').exists(): times.update(json.loads((copy / '.mutation-times.json').read_text()))
+        for found in copy.glob('.mutation-times-*.json'): times.update(json.loads(found.read_text()))
         for data_file in copy.glob('.mutation-coverage.*'):
             data = CoverageData(basename=str(data_file))
             data.read()
@@ -365,21 +375,14 @@ def run_tests(mutant, runner, times):
 
 def run_all(mutants, runners, times):
     "Try every mutant, each runner on one at a time; the costliest first, so that the runners end together."
-    free = queue.Queue()
-    for runner in runners: free.put(runner)
-    def work(mutant):
-        runner = free.get()
-        try: return try_mutant(mutant, runner, times)
-        finally: free.put(runner)
     order = sorted(mutants, key=lambda m: -sum(times[t][0] for t in m.tests))
-    with ThreadPoolExecutor(len(runners)) as pool:
-        for done, future in enumerate(as_completed([pool.submit(work, m) for m in order]), 1):
-            mutant = future.result()
-            record(mutant)
-            status = mutant.result.test_outcome or mutant.result.worker_outcome
-            print(f"[{done}/{len(order)}] {mutant.module}:{mutant.line} {mutant.label}: {status.value}"
-                  f"{f' ({mutant.note})' if mutant.note else ''}, {len(mutant.tests)} tests, {mutant.seconds:.1f} s",
-                  flush=True)
+    def attempt(runner, mutant): return try_mutant(mutant, runner, times)
+    for done, mutant in enumerate(one_at_a_time_each(runners, order, attempt), 1):
+        record(mutant)
+        status = mutant.result.test_outcome or mutant.result.worker_outcome
+        print(f"[{done}/{len(order)}] {mutant.module}:{mutant.line} {mutant.label}: {status.value}"
+              f"{f' ({mutant.note})' if mutant.note else ''}, {len(mutant.tests)} tests, {mutant.seconds:.1f} s",
+              flush=True)
 
 
 # ---- the report

@@ -1,6 +1,6 @@
 """Mutation testing of teachloop's core modules with cosmic-ray: how many small bugs put into the code do the tests catch?
 
-    python tools/mutate.py [--modules teachloop/inference.py ...] [--sample 50] [--seed 0] [--workers 2]
+    python tools/mutate.py [--modules teachloop/inference.py ...] [--sample 40] [--seed 0] [--workers 2]
                            [--cap 60] [--report bench/results/mutation-report.md]
 
 `make mutate` runs it on every module of `MODULES` (it is not part of `make test`). For each module:
@@ -14,7 +14,7 @@
    failure. A mutant in code that no test runs survives without a run;
 3. the report gives each module's score (killed / tried, with its 95% interval: the sample's uncertainty), the
    survivors with their diffs, and how long it all took. cosmic-ray's sessions stay in `.mutation/`, where
-   `cr-report .mutation/<module>.sqlite` reads them.
+   `cr-report .mutation/<module>.sqlite` reads them (its rate counts the mutants left out of the sample as done).
 """
 import argparse
 import ast
@@ -297,6 +297,7 @@ def sample_mutants(module, size, seed):
         init(module_paths=[Path(module)], work_db=db, operator_cfgs={})  # operators needing arguments are left out
         items = sorted(db.work_items, key=lambda w: (w.mutations[0].operator_name, w.mutations[0].occurrence))
         candidates = [w for w in items if not in_annotation(w)]
+        annotated = len(items) - len(candidates)
         if 0 < size < len(candidates): candidates = random.Random(f"{seed}:{module}").sample(candidates, len(candidates))
         chosen, invalid = [], 0
         for w in candidates:  # in the drawn order, until the sample is full
@@ -305,8 +306,7 @@ def sample_mutants(module, size, seed):
             else: invalid += 1
         skipped = {w.job_id for w in items} - {w.job_id for w in chosen}
         db.set_multiple_results(skipped, WorkResult(worker_outcome=WorkerOutcome.SKIPPED))
-    counts = {'mutants': len(items), 'annotations': len(items) - len([w for w in items if not in_annotation(w)]),
-              'invalid': invalid}
+    counts = {'mutants': len(items), 'annotations': annotated, 'invalid': invalid}
     return [Mutant(module, w.job_id, w.mutations[0], '') for w in chosen], counts
 
 
@@ -333,6 +333,7 @@ def record(mutant):
 
 
 def diff_of(original, mutated, module):
+    "The mutant as a unified diff of `module`."
     return ''.join(difflib.unified_diff(original.splitlines(keepends=True), mutated.splitlines(keepends=True),
                                         f'a/{module}', f'b/{module}', n=1))
 
@@ -340,8 +341,8 @@ def diff_of(original, mutated, module):
 def outcome(code):
     "cosmic-ray's outcome for pytest's exit code (None: timed out)."
     if code == 0: return TestOutcome.SURVIVED
-    if code is None or code < 0 or code in (1, 2, 3): return TestOutcome.KILLED  # failed, timed out, crashed, broke
-    # the import or pytest itself
+    # a test failed (1), the import or pytest itself broke (2, 3), it crashed (< 0) or ran past its time (None)
+    if code is None or code < 0 or code in (1, 2, 3): return TestOutcome.KILLED
     return TestOutcome.INCOMPETENT  # 4, 5: the selection itself was wrong (no such test, none collected)
 
 
@@ -396,6 +397,7 @@ def wilson(killed, n, z=1.96):
 
 
 def module_row(module, counts, mutants):
+    "The report's line of one module."
     tried = [m for m in mutants if m.result.worker_outcome == WorkerOutcome.NORMAL]
     killed = [m for m in tried if m.result.test_outcome == TestOutcome.KILLED]
     survived = [m for m in tried if m.result.test_outcome == TestOutcome.SURVIVED]
@@ -411,6 +413,7 @@ def module_row(module, counts, mutants):
 
 
 def survivor_entry(mutant):
+    "Where a surviving mutant is, what it ran, and its diff."
     how = mutant.note or (f"survived {len(mutant.tests)} tests" + (' (capped)' if mutant.capped else '')
                           + f" in {mutant.seconds:.1f} s")
     scope = f" in `{mutant.scope}`" if mutant.scope else ' at module level'
@@ -418,13 +421,14 @@ def survivor_entry(mutant):
 
 
 def write_report(path, args, totals, mutants, failing, durations):
+    "The Markdown report: the run, each module's score, the survivors."
     by_module = defaultdict(list)
     for m in mutants: by_module[m.module].append(m)
-    tried = [m for m in mutants if m.tests]
+    run = [m for m in mutants if m.tests]
     commit = subprocess.run(['git', 'rev-parse', '--short', 'HEAD'], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'], cwd=ROOT, capture_output=True,
                            text=True).stdout.strip()
-    per_mutant = [m.seconds for m in tried]
+    per_mutant = [m.seconds for m in run]
     lines = [
         "# Mutation testing of the core modules",
         "",
@@ -444,7 +448,7 @@ def write_report(path, args, totals, mutants, failing, durations):
         *(module_row(module, totals[module], by_module[module]) for module in totals),
         "",
         f"Duration: {durations['all'] / 60:.1f} min in all: the coverage run {durations['baseline'] / 60:.1f} min, the "
-        f"mutants {durations['mutants'] / 60:.1f} min ({len(tried)} run, "
+        f"mutants {durations['mutants'] / 60:.1f} min ({len(run)} run, "
         f"{statistics.mean(per_mutant) if per_mutant else 0:.1f} s each on average, median "
         f"{statistics.median(per_mutant) if per_mutant else 0:.1f} s, on {args.workers} worker(s)).",
         "",
@@ -465,7 +469,7 @@ def write_report(path, args, totals, mutants, failing, durations):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--modules', nargs='+', default=list(MODULES), help='modules of MODULES to mutate (all)')
-    parser.add_argument('--sample', type=int, default=50, help='mutants tried per module, 0 for all (50)')
+    parser.add_argument('--sample', type=int, default=40, help='mutants tried per module, 0 for all (40)')
     parser.add_argument('--seed', type=int, default=0, help="the sample's seed (0)")
     parser.add_argument('--workers', type=int, default=2, help='mutants tried at once, each in its own copy (2)')
     parser.add_argument('--cap', type=float, default=60., help="seconds of a mutant's tests, as timed (60)")

@@ -11,7 +11,7 @@ NB_WORKERS ?= 2
 TEST_WORKERS ?= 2
 PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder
 
-.PHONY: demo test test-busy test-quick gpu-check lab export readme clean-venv browser-deps docs
+.PHONY: demo test test-busy test-quick gpu-check mutate lab export readme clean-venv browser-deps docs
 
 $(STAMP): pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,13 @@ test-quick: $(STAMP)
 ## On a CUDA machine: the cuda tests, fits with no host sync inside batches, and the GPU benchmarks, in one report.
 gpu-check: $(STAMP)
 	$(BIN)/python bench/gpu_check.py
+
+## Mutation testing of the core modules (tools/mutate.py; not part of `make test`): a seeded sample of each module's
+## mutants (cosmic-ray), each run against the tests that run its code, on both cores; the report goes to
+## bench/results/mutation-report.md. Options through MUTATE_ARGS, e.g. MUTATE_ARGS="--modules teachloop/inference.py".
+MUTATE_ARGS ?=
+mutate: $(STAMP)
+	$(BIN)/python tools/mutate.py --workers $(TEST_WORKERS) $(MUTATE_ARGS)
 
 ## JupyterLab on the course notebooks.
 lab: $(STAMP)

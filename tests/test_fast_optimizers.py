@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from teachloop.data import digits_cnn
 from teachloop.optim.fast import FastStep, plan_fast_step
-from teachloop.optim.core import SGD, Adam, Optimizer, RMSProp
+from teachloop.optim.core import SGD, Adam, Optimizer, RMSProp, weight_decay
 from teachloop.optim.more import LARC, LARS, Lamb, Lion, Lookahead, Nesterov, QHAdam, RAdam
 from teachloop.testing import digits_batches
 
@@ -213,3 +213,29 @@ def test_fused_step_counts_are_float32_whatever_the_default_dtype(monkeypatch):
         model(torch.ones(1, 3, dtype=torch.float32)).sum().backward(); opt.step()
     finally: torch.set_default_dtype(previous)
     assert seen and set(seen) == {torch.float32}
+
+
+def adam_without_decay(params, fast, **hypers):
+    "Adam's callbacks less its weight decay: no fused kernel spells that, so its multi-tensor steps run."
+    params = list(params)
+    cbs = [cb for cb in Adam(params, lr=hypers['lr']).cbs if cb is not weight_decay]
+    return Optimizer(params, cbs, fast=fast, **hypers)
+
+
+def test_adam_without_weight_decay_takes_the_multi_tensor_step_and_equals_torch(batches):
+    "Debiased by each parameter's own step count: the first layer gets no gradient for its first 5 steps."
+    hypers = dict(lr=1e-2, mom=0.8, sqr_mom=0.9, eps=1e-8)
+    torch.manual_seed(0)
+    model = digits_cnn().double()
+    reference = copy.deepcopy(model)
+    opt = adam_without_decay(model.parameters(), fast=True, **hypers)  # True: the fast step or an error, never the callbacks
+    torch_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.)
+    for i, (xb, yb) in enumerate(batches[:30]):
+        for m, o in ((model, opt), (reference, torch_opt)):
+            F.cross_entropy(m(xb.double()), yb).backward()
+            if i < 5: next(m.parameters()).grad = None
+            if o is opt:
+                step = opt.fast_step_for([p for p in m.parameters() if p.grad is not None])
+                assert isinstance(step, FastStep) and 'adam_step_multi' in step.names
+            o.step(); o.zero_grad()
+    assert opt.state[next(model.parameters())]['step'] == 25 and max_diff(model, reference) <= TOL

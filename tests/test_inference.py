@@ -500,3 +500,14 @@ def test_the_archive_check_stays_exact_on_programs_with_free_sizes(tmp_path):
     def near_miss(text): return text.replace('"torch.ops.aten.embedding.default"', '"torch.ops.aten.embedding.default.x"', 1)
     with pytest.raises(ValueError, match='is not one of torch'):
         check_archive(rewritten(path, tmp_path / 'near.pt2', {'models/model.json': near_miss}))
+
+
+def test_an_operator_that_starts_like_one_of_torchs_and_goes_on_is_refused(trained, tmp_path):
+    "The name must be an operator's whole: one that only starts like one (a prefix) is refused by `load_learner`."
+    path = trained.export(tmp_path / 'digits.pt2')
+    allowed = ['torch.ops.aten.relu.default', 'torch.sym_float', 'math.sqrt', '_operator.getitem']
+    for i, name in enumerate(f'{start}{rest}' for start in allowed for rest in ('.system', "('echo')")):
+        def swap(text): return text.replace('"torch.ops.aten.relu.default"', json.dumps(name), 1)
+        crafted = rewritten(path, tmp_path / f'crafted-{i}.pt2', {'models/model.json': swap})
+        with pytest.raises(ValueError, match=re.escape(f"operator {name!r} is not one of torch's")): load_learner(crafted)
+    load_learner(path)  # the learner's own file, with those operators whole, loads

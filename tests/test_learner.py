@@ -135,6 +135,43 @@ def test_order_is_a_stable_sort():
     assert calls == ['b', 'd', 'a', 'c']
 
 
+class BatchTransform(Callback):
+    "Changes the inputs of every batch with `transform`; both transforms below have the same (default) order."
+    def before_batch(self): self.learn.xb = tuple(self.transform(x) for x in self.learn.xb)
+
+
+class AddOne(BatchTransform):
+    @staticmethod
+    def transform(x): return x + 1
+
+
+class Double(BatchTransform):
+    @staticmethod
+    def transform(x): return x * 2
+
+
+class InputsSeen(nn.Module):
+    "A linear model that keeps a copy of every input it is given."
+    def __init__(self):
+        super().__init__()
+        self.linear, self.inputs = nn.Linear(2, 1), []
+    def forward(self, x):
+        self.inputs.append(x.clone())
+        return self.linear(x)
+
+
+@pytest.mark.parametrize('how', ['together', 'one after the other', 'the second to fit'])
+@pytest.mark.parametrize('first, second', [(AddOne, Double), (Double, AddOne)], ids=['add, double', 'double, add'])
+def test_callbacks_of_equal_order_change_the_batch_in_the_order_they_were_added(first, second, how):
+    "Neither the callbacks' names nor their classes decide: the model sees the second transform of the first."
+    dls, model, cbs = tiny_dls(1, valid=False), InputsSeen(), [first(), second()]
+    learn = Learner(dls, model, F.mse_loss, default_cbs=False, cbs=cbs[:1] if how != 'together' else cbs)
+    if how == 'one after the other': learn.add_cbs(cbs[1:])
+    learn.fit(1, cbs=cbs[1:] if how == 'the second to fit' else None)
+    (x, _), = dls.train
+    assert len(model.inputs) == 1 and torch.equal(model.inputs[0], second.transform(first.transform(x)))
+
+
 def test_run_train_and_run_valid_gate_batch_events_only():
     class TrainOnly(Callback):
         run_valid = False

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from teachloop.data import digits_cnn, digits_dls
+from teachloop.data import DataLoaders, digits_cnn, digits_dls
 from teachloop.learner import Callback, CancelFitException, Learner
 from teachloop.callback import nan_capture
 from teachloop.callback.nan_capture import (FiniteCheck, NaNCapture, grads_are_finite, load_capture, nonfinite_grads, replay_nan)
@@ -129,11 +129,13 @@ def test_replay_finds_the_first_module_with_a_non_finite_output(tmp_path):
 
 
 class NaNGradientAt(Callback):
-    "Put a NaN into the first gradient at training step `step`, before NaNCapture (order 20) looks."
+    "Put a NaN into the gradient of parameter `name` (None: the first) at training step `step`, before NaNCapture (order 20) looks."
     order = 15
-    def __init__(self, step): self.step = step
+    def __init__(self, step, name=None): self.step, self.param_name = step, name
     def after_backward(self):
-        if self.train_iter == self.step: next(self.model.parameters()).grad.view(-1)[0] = float('nan')
+        if self.train_iter != self.step: return
+        params = dict(self.model.named_parameters())
+        params[self.param_name or next(iter(params))].grad.view(-1)[0] = float('nan')
 
 
 @pytest.mark.parametrize('sync_free', [False, True])
@@ -440,3 +442,70 @@ def test_a_capture_leaves_the_batchnorm_statistics_of_the_start_of_the_bad_batch
     assert all(torch.equal(v, expected[k]) for k, v in captured.model.state_dict().items())
     capture = load_capture(tmp_path / 'nan.pt')
     assert capture['weights_finite'] and all(torch.equal(v, expected[k]) for k, v in capture['model'].items())
+
+
+# ---- a non-finite gradient in any one parameter, the last layer's included
+
+DIGITS_PARAMS = [name for name, _ in digits_cnn().named_parameters()]
+
+
+@pytest.mark.parametrize('sync_free', [False, True])
+def test_a_nan_in_any_one_parameter_is_caught_at_its_step(tmp_path, sync_free):
+    "Each parameter poisoned alone: the capture names that step and that parameter, before any weight turned NaN."
+    for name in DIGITS_PARAMS:
+        torch.manual_seed(0)
+        path = tmp_path / f'{name}.pt'
+        learn = quiet(Learner(digits_dls(bs=32), digits_cnn(), F.cross_entropy, opt_func=SGD, lr=0.05,
+                              cbs=[NaNCapture(path, sync_free=sync_free), NaNGradientAt(3, name)]))
+        learn.fit(1)
+        capture = load_capture(path)
+        assert (capture['train_iter'], capture['bad_params']) == (3, [name]), name
+        assert capture['weights_finite'] and all(torch.isfinite(p).all() for p in learn.model.parameters()), name
+
+
+class LogGate(nn.Module):
+    "`scale * log(x0)` where the first input `x0` is positive, 0 elsewhere."
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x):
+        first = x[:, :1]
+        return torch.where(first > 0, self.scale * torch.log(first), 0.)
+
+
+class GatedLog(nn.Module):
+    """A small regression plus a `LogGate`, whose `scale` is the model's last parameter.
+
+    An item with `x0 == 0` leaves the loss finite but makes the gradient of `gate.scale` NaN and no other: torch.where
+    sends 0 to the branch it did not take, and 0 * log(0) is NaN.
+    """
+    def __init__(self):
+        super().__init__()
+        self.body, self.gate = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)), LogGate()
+
+    def forward(self, x): return self.body(x) + self.gate(x)
+
+
+def gated_log_dls(zero_in_batch, bs=8, n_batches=6):
+    "Positive inputs, except one item of training batch `zero_in_batch` whose first input is 0."
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.rand(bs * n_batches, 4, generator=generator) + 0.5, torch.rand(bs * n_batches, 1, generator=generator)
+    x[zero_in_batch * bs + 2, 0] = 0.
+    return DataLoaders([(x[i:i + bs], y[i:i + bs]) for i in range(0, len(x), bs)])
+
+
+@pytest.mark.parametrize('sync_free', [False, True])
+def test_a_nan_made_by_the_model_in_its_last_parameter_is_caught_and_replayed(tmp_path, sync_free):
+    step = 3
+    torch.manual_seed(0)
+    learn = quiet(Learner(gated_log_dls(step), GatedLog(), F.mse_loss, opt_func=SGD, lr=0.01,
+                          cbs=[NaNCapture(tmp_path / 'nan.pt', sync_free=sync_free)]))
+    assert [name for name, _ in learn.model.named_parameters()][-1] == 'gate.scale'
+    learn.fit(1)
+    capture = load_capture(tmp_path / 'nan.pt')
+    assert (capture['train_iter'], capture['bad_params']) == (step, ['gate.scale']) and np.isfinite(capture['loss'])
+    assert capture['weights_finite'] and all(torch.isfinite(p).all() for p in learn.model.parameters())
+    report = replay_nan(quiet(Learner(gated_log_dls(step), GatedLog(), F.mse_loss, opt_func=SGD)), tmp_path / 'nan.pt')
+    assert report.recurred and report.bad_params == ['gate.scale'] and report.loss == capture['loss']
+    assert report.first_forward is None  # every module's output was finite: only the gradient was not

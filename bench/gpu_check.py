@@ -9,7 +9,11 @@
    - a background fit with the dashboard (its ticks read values, so ticks run with the check off);
    - `NaNCapture(check_every=4)` (sync-free checking) on a BatchNorm model, with a NaN injected at step 8 (a checked step): the
      capture names the step, the file is written and the weights stay finite.
-3. The GPU benchmarks: loop overhead against a hand-written loop, and optimizer steps against torch.optim.
+3. torch.distributed on the GPUs there are: DDP and FSDP2 (`learn.distributed(strategy=...)`) with nccl, one process
+   per GPU (a machine of one GPU: a world of one), and two processes sharing GPU 0 through gloo (nccl refuses two
+   ranks on one GPU), against one process, on an MLP large enough for its weights and Adam's state to show: the
+   losses, the peak GPU memory per rank, samples per second, and the host syncs per training batch.
+4. The GPU benchmarks: loop overhead against a hand-written loop, and optimizer steps against torch.optim.
 
 Without a CUDA GPU it says so and exits 0; `--device cpu` runs the fits of (2) on the CPU (no sync check there), so
 the script itself is tested on every machine. The report is printed and written to `artifacts/gpu-check.txt`.
@@ -147,7 +151,15 @@ def check_nan_capture_sync_free():
                 f"file written ({path.stat().st_size} bytes), weights finite")
 
 
+def accumulated_float16_fit():
+    learn = digits_learner(cbs=[SyncGuard(), Quiet(), MixedPrecision(torch.float16)])
+    from teachloop.callback.core import GradientAccumulation
+    learn.fit(2, cbs=[GradientAccumulation(128)])  # batches of 64: one step every second batch, sync-free checks
+    return f"2 epochs of 2 batches a step, {guarded()}; {last_row(learn)}; steps skipped {learn.mixed_precision.skipped}"
+
+
 CHECKS = [('default fit under sync debug', check_default_fit),
+          ('MixedPrecision(float16) with GradientAccumulation under sync debug', accumulated_float16_fit),
           ('MixedPrecision(float16) under sync debug', check_mixed_precision(torch.float16)),
           ('MixedPrecision(bfloat16) under sync debug', check_mixed_precision(torch.bfloat16)),
           ('dashboard background fit under sync debug', check_dashboard_background),
@@ -183,6 +195,78 @@ def run_command(title, args, timeout):
     return f"{'PASS' if rc == 0 else 'FAIL'}  {title} (exit {rc}, {time.perf_counter() - start:.0f} s)\n{tail}", rc != 0
 
 
+# ---- several processes
+
+def wide_mlp(width=1024, depth=4):
+    "An MLP of `depth` layers of `width` x `width`: 4 M weights, whose Adam state (two more copies) shows in memory."
+    from torch import nn
+    layers = []
+    for _ in range(depth): layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, 10))
+
+
+def wide_dls(per_rank_bs, width=1024, n=4096):
+    from torch.utils.data import DataLoader, TensorDataset
+    from teachloop.data import DataLoaders
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n + 512, width, generator=generator)
+    y = (x[:, :10].argmax(1) + x[:, 10:20].argmax(1)) % 10  # a rule a few layers can learn
+    train = DataLoader(TensorDataset(x[:n], y[:n]), batch_size=per_rank_bs, shuffle=True,
+                       generator=torch.Generator().manual_seed(1))
+    return DataLoaders(train, DataLoader(TensorDataset(x[n:], y[n:]), batch_size=512))
+
+
+def rank_fit(strategy, global_bs=256, n_epoch=2):
+    "In a rank: the wide MLP fitted with Adam inside `learn.distributed(strategy=...)`; its numbers for the report."
+    import warnings
+    from teachloop.callback.distributed import gathered
+    from teachloop.core import process_count
+    torch.manual_seed(0)
+    learn = Learner(wide_dls(global_bs // process_count()), wide_mlp(), F.cross_entropy, lr=1e-3, cbs=[Quiet()])
+    torch.cuda.reset_peak_memory_stats()
+    with warnings.catch_warnings(record=True) as syncs:
+        warnings.simplefilter('always')
+        torch.cuda.set_sync_debug_mode('warn')  # each call that makes the host wait for the GPU warns once
+        with learn.distributed(strategy=strategy):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            learn.fit(n_epoch)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - start
+        torch.cuda.set_sync_debug_mode('default')
+    n_syncs = sum('synchronizing' in str(w.message).lower() for w in syncs)
+    weights = [gathered(p.detach()).cpu() for p in learn.model.parameters()]
+    return {'peak_gib': torch.cuda.max_memory_allocated() / 2**30, 'seconds': seconds,
+            'samples_per_s': n_epoch * len(learn.dls.train.dataset) / seconds, 'syncs_per_batch': n_syncs / learn.train_iter,
+            'valid_loss': learn.recorder.values[-1][2], 'weights': weights}
+
+
+def distributed_report():
+    "DDP and FSDP2 on this machine's GPUs (nccl) and two ranks on GPU 0 (gloo), against one process: a table."
+    from teachloop.callback.distributed import run_ranks
+    n_gpus = torch.cuda.device_count()
+    runs = [('one process', 1, 'nccl', 'ddp')]
+    runs += [(f'DDP, nccl, {n_gpus} rank(s)', n_gpus, 'nccl', 'ddp'), (f'FSDP2, nccl, {n_gpus} rank(s)', n_gpus, 'nccl', 'fsdp'),
+             ('DDP, gloo, 2 ranks on GPU 0', 2, 'gloo', 'ddp'), ('FSDP2, gloo, 2 ranks on GPU 0', 2, 'gloo', 'fsdp')]
+    lines, failed, reference = [], 0, None
+    for title, world, backend, strategy in runs:
+        start = time.perf_counter()
+        try:
+            ranks = run_ranks(rank_fit, strategy, world_size=world, backend=backend, timeout=300, start_method='spawn')
+        except Exception as e:
+            failed += 1
+            lines.append(f"FAIL  {title}: {type(e).__name__}: {str(e)[-1500:]}")
+            continue
+        reference = reference or ranks[0]
+        gap = max((a.double() - b.double()).abs().max().item() for a, b in zip(ranks[0]['weights'], reference['weights']))
+        memory = ', '.join(f"{r['peak_gib']:.3f}" for r in ranks)
+        lines.append(f"PASS  {title} ({time.perf_counter() - start:.0f} s): valid loss {ranks[0]['valid_loss']:.4f}, "
+                     f"peak GPU memory per rank {memory} GiB, {ranks[0]['samples_per_s']:.0f} samples/s, "
+                     f"host syncs per training batch {ranks[0]['syncs_per_batch']:.2f}, "
+                     f"weights vs one process max |diff| {gap:.2e}")
+    return lines, failed
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--quick', action='store_true', help='fewer benchmark rounds')
@@ -203,10 +287,15 @@ def main(argv=None):
     report = [f"teachloop gpu-check: {props.name}, {props.total_memory / 2**30:.0f} GiB, compute capability "
               f"{props.major}.{props.minor}, {torch.cuda.device_count()} GPU(s), torch {torch.__version__}, "
               f"CUDA {torch.version.cuda}"]
+    # the files with cuda-marked tests only: the others may import what a GPU machine lacks (Jupyter, browsers)
+    files = sorted(str(p) for p in (ROOT / 'tests').glob('test_*.py') if 'mark.cuda' in p.read_text())
     line, failed = run_command('cuda-marked tests', ['-m', 'pytest', '-m', 'cuda', '-q', '-p', 'no:cacheprovider',
-                                                     str(ROOT / 'tests')], 900)
+                                                     *files], 900)
     report.append(line)
     lines, n_failed = run_checks(CHECKS)
+    report += lines
+    failed += n_failed
+    lines, n_failed = distributed_report()
     report += lines
     failed += n_failed
     runs = ['--runs', '3'] if args.quick else []

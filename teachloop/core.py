@@ -20,8 +20,10 @@ __all__ = ['default_device', 'to_device', 'atomic_write', 'atomic_save', 'check_
 
 # %% ../nbs/00a_core.ipynb #c005
 def default_device():
-    "CUDA when available, else the CPU."
-    return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
+    "CUDA when available (the GPU of this process, `LOCAL_RANK`, when torchrun started several), else the CPU."
+    if not torch.cuda.is_available(): return torch.device('cpu')
+    local = int(os.environ.get('LOCAL_RANK', -1))  # torchrun's: one process per GPU of the machine
+    return torch.device('cuda', local if 0 <= local < torch.cuda.device_count() else torch.cuda.current_device())
 
 def to_device(batch, device, non_blocking=True):
     "Move every tensor of a (possibly nested) tuple or list to `device`."

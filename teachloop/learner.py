@@ -244,7 +244,8 @@ class TrainingStep:
             if not isinstance(cb, StepSetting): continue
             for part in cb.parts:
                 if part in setters:
-                    raise ValueError(f"{setters[part]!r} and {cb!r} both set the training step's `{part}`: keep one")
+                    raise ValueError(f"{type(setters[part]).__name__} {setters[part].name!r} and {type(cb).__name__} "
+                                     f"{cb.name!r} both set the training step's `{part}`: keep one")
                 setters[part] = cb
             cb.apply_to(self)
 
@@ -1072,7 +1073,10 @@ def state_dict(self:FitState, learn, rng=None, every_rank=True):
     # each process's own random states (processes are often seeded apart): gathered from all, unless only this one saves
     mine = (saveable_rng(rng if rng is not None else boundary), saveable_rng(epoch_start) if mid_epoch else None)
     ranks = learn.processes.gather(mine) if every_rank else [mine]
-    return {'model': learn.model.state_dict(), 'opt': learn.opt.state_dict(), 'step': learn.step.state_dict(),
+    model_state, opt_state = learn.model.state_dict(), learn.opt.state_dict()
+    if learn.step.parallel is not None:  # sharded parameters (FSDP2) gathered whole: a collective, in every process
+        model_state, opt_state = learn.step.parallel.gathered_state(model_state, opt_state)
+    return {'model': model_state, 'opt': opt_state, 'step': learn.step.state_dict(),
             'callbacks': callbacks, 'observers': [cb.name for cb in learn.cbs if cb.name in callbacks and cb.observes],
             'undeclared': {cb.name: _plain_attributes(cb) for cb in learn.cbs if _keeps_undeclared_state(cb)},
             'rng': [r for r, _ in ranks], 'epoch_start_rng': [s for _, s in ranks] if mid_epoch else None,
@@ -1081,7 +1085,10 @@ def state_dict(self:FitState, learn, rng=None, every_rank=True):
 @patch
 def load_state_dict(self:FitState, learn, state):
     "Put `learn` where `state` was, for the fit about to go on: the next epoch, or the next batch of an epoch under way."
-    restore_training_state(learn, state['model'], state['opt'])
+    model_state, opt_state = state['model'], state['opt']
+    if learn.step.parallel is not None:  # whole tensors cut into this process's shards (FSDP2)
+        model_state, opt_state = learn.step.parallel.sharded_state(model_state, opt_state)
+    restore_training_state(learn, model_state, opt_state)
     if state.get('step') is not None: learn.step.load_state_dict(state['step'])
     for cb in learn.cbs:
         if cb.name in state['callbacks']: cb.load_state_dict(state['callbacks'][cb.name])
@@ -1133,8 +1140,8 @@ def _keeps_undeclared_state(cb):
     return not cb.observes and type(cb).state_dict is Callback.state_dict and not isinstance(cb, StepSetting)
 
 def _plain_attributes(cb):
-    "The attributes of `cb` a checkpoint can compare later: numbers, strings and plain collections of them."
-    return {k: p for k, v in vars(cb).items() if k != 'learn' and not k.startswith('__') and (p := _plain(v)) is not None}
+    "The public attributes of `cb` a checkpoint can compare later: numbers, strings and plain collections of them."
+    return {k: p for k, v in vars(cb).items() if k != 'learn' and not k.startswith('_') and (p := _plain(v)) is not None}
 
 def _warn_of_undeclared_state(learn, saved):
     "Warn of a callback whose attributes differ from those it had when the checkpoint was written: a resume loses them."

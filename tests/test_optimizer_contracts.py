@@ -275,9 +275,10 @@ def shapes_dls(bs=8, shuffle=True, seed=0):
     return DataLoaders(train, DataLoader(TensorDataset(x[32:], y[32:]), batch_size=8))
 
 
-def shapes_learner(info, setting, cbs=(), dls=None, seed=0):
+def shapes_learner(info, setting, cbs=(), dls=None, seed=0, scalars=True):
     set_seed(seed)
-    learn = Learner(dls or shapes_dls(seed=seed), ShapesModel(shapes_of(info), seed), F.mse_loss,
+    shapes = [s for s in shapes_of(info) if scalars or len(s)]  # FSDP2 shards along the first dimension: none for scalars
+    learn = Learner(dls or shapes_dls(seed=seed), ShapesModel(shapes, seed), F.mse_loss,
                     opt_func=lambda param_lists, lr=None: build(info, setting, param_lists), splitter=lambda m: halves(list(m.parameters())),
                     cbs=list(cbs))
     return quiet(learn)
@@ -529,3 +530,45 @@ def test_two_processes_equal_one_with_the_doubled_batch():
         if info.rounding_sensitive: continue  # the ranks agree; one process may take another of equally good bases
         # float64: the two shards' gradients are summed in another order than one batch's (1e-16 a step)
         assert max_diff(ranks[0][name], alone.model.parameters()) <= 1e-10, name
+
+
+# ---- 6b. two processes, each with its shards (FSDP2)
+
+def sharded_fits(world_size):
+    "In each rank, every described optimizer's fit (first setting) with the model sharded by FSDP2: the whole weights, gathered."
+    from teachloop.callback.distributed import gathered
+    results = {}
+    for name in sorted(OPTIMIZERS):
+        info = OPTIMIZERS[name]
+        torch.set_default_dtype(torch.float64)
+        learn = shapes_learner(info, info.settings[0], dls=shapes_dls(bs=8 // world_size), scalars=False)
+        try:
+            with learn.distributed(strategy='fsdp'): learn.fit(2)
+        except Exception as e:
+            results[name] = f"{type(e).__name__}: {e}"
+            continue
+        state = [v for s in learn.opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+        local = sum(getattr(v, '_local_tensor', v).numel() for v in state)
+        results[name] = {'weights': [gathered(p.detach()) for p in learn.model.parameters()],
+                         'state_local': local, 'state_whole': sum(v.numel() for v in state)}
+    return results
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_processes_with_sharded_parameters_equal_one_with_the_doubled_batch():
+    "FSDP2 on two ranks: every exported optimizer at its default settings steps its shards, equal to one process."
+    ranks = run_ranks(sharded_fits, 2, world_size=2, start_method='fork', timeout=360)
+    failed = {name: r for name, r in ranks[0].items() if isinstance(r, str)}
+    assert not failed, failed
+    for name in sorted(OPTIMIZERS):
+        info = OPTIMIZERS[name]
+        alone = shapes_learner(info, info.settings[0], dls=shapes_dls(bs=8), scalars=False)
+        with alone.distributed(): alone.fit(2)
+        sharded = ranks[0][name]
+        assert same_bits(sharded['weights'], ranks[1][name]['weights']), name
+        # each rank holds about half of every state tensor (odd sizes: one more row in the first rank)
+        assert sharded['state_local'] < 0.75 * sharded['state_whole'] or not sharded['state_whole'], name
+        if info.rounding_sensitive: continue
+        # float64: the shards' gradients are reduce-scattered, summed in another order than one batch's
+        assert max_diff(sharded['weights'], alone.model.parameters()) <= 1e-12, name

@@ -106,7 +106,7 @@ def test_gpu_check_runs_its_fits_on_the_cpu():
     done = subprocess.run([sys.executable, str(ROOT / 'bench' / 'gpu_check.py'), '--device', 'cpu'], cwd=ROOT,
                           capture_output=True, text=True, timeout=300, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert done.stdout.count('PASS') == 5 and 'FAIL' not in done.stdout
+    assert done.stdout.count('PASS') == 6 and 'FAIL' not in done.stdout
 
 
 def test_every_notebook_opens_with_what_it_teaches():

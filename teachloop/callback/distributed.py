@@ -23,6 +23,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from fastcore.basics import patch
 from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from .core import accuracy
@@ -37,11 +39,12 @@ from ..random_state import set_seed
 from .schedule import LRFinder, fit_one_cycle  # the import adds `Learner.fit_one_cycle`, which `digits_fit` uses
 
 # %% auto #0
-__all__ = ['init_distributed', 'all_reduce_demo', 'ShardSampler', 'check_shardable', 'shard_loader', 'shard_dls',
+__all__ = ['STRATEGIES', 'init_distributed', 'all_reduce_demo', 'ShardSampler', 'check_shardable', 'shard_loader', 'shard_dls',
            'sum_over_processes', 'any_process', 'ProcessGroup', 'check_world', 'DistributedTrainer', 'digits_fit',
-           'digits_bn_cnn', 'RanksDisagree', 'DifferentiableSum', 'global_moments', 'GlobalBatchNorm',
-           'batch_norm_layers', 'check_batch_norms', 'synced_copy', 'swap_batch_norms', 'PoisonBatch',
-           'nan_on_one_rank', 'free_port', 'RankFailed', 'run_ranks']
+           'digits_bn_cnn', 'RanksDisagree', 'is_sharded', 'shard_model', 'gradients_kept_unsharded', 'gathered',
+           'sharded_like', 'DifferentiableSum', 'global_moments', 'GlobalBatchNorm', 'batch_norm_layers',
+           'check_batch_norms', 'synced_copy', 'swap_batch_norms', 'PoisonBatch', 'nan_on_one_rank', 'free_port',
+           'RankFailed', 'run_ranks']
 
 # %% ../../nbs/15_distributed.ipynb #c005
 def init_distributed(backend=None,  # 'gloo' (CPUs) or 'nccl' (GPUs); None: nccl when there is a GPU, else gloo
@@ -107,6 +110,7 @@ def shard_dls(dls,  # `DataLoaders` of torch DataLoaders
               rank,  # this process's rank
               world_size,  # how many processes share the data
               seed=None,  # the seed of the training order; None: the training loader's generator's, else 0
+              shard_valid=True,  # each rank its share of the validation set (False: every rank the whole set)
              ):
     """`dls` shared out between `world_size` processes: this rank's shard of each epoch's training order and of the validation set.
 
@@ -115,6 +119,7 @@ def shard_dls(dls,  # `DataLoaders` of torch DataLoaders
         rank: this process's rank
         world_size: how many processes share the data
         seed: the seed of the training order; None: the training loader's generator's, else 0
+        shard_valid: each rank its share of the validation set (False: every rank the whole set)
     """
     train, valid = dls.train, dls.valid
     check_shardable(train, 'training')
@@ -122,7 +127,7 @@ def shard_dls(dls,  # `DataLoaders` of torch DataLoaders
     if seed is None: seed = train.generator.initial_seed() if train.generator is not None else 0
     sampler = DistributedSampler(train.dataset, num_replicas=world_size, rank=rank,
                                  shuffle=isinstance(train.sampler, RandomSampler), seed=seed)
-    valid = shard_loader(valid, ShardSampler(len(valid.dataset), rank, world_size)) if valid is not None else None
+    if valid is not None and shard_valid: valid = shard_loader(valid, ShardSampler(len(valid.dataset), rank, world_size))
     return DataLoaders(shard_loader(train, sampler), valid)
 
 # %% ../../nbs/15_distributed.ipynb #c021
@@ -164,13 +169,17 @@ class DistributedTrainer(StepSetting):
     Args:
         agree_every: training steps between two exchanges of the losses and of a Ctrl-C
         sync_bn: BatchNorm layers normalise with the global batch's statistics (see below)
+        strategy: 'ddp': every rank holds the whole model; 'fsdp': each its shards (FSDP2, below)
     """
     order, parts = 45, ('parallel',)  # before the Recorder (50), which reads the losses this callback averages
     def __init__(self,
                  agree_every=8,  # training steps between two exchanges of the losses and of a Ctrl-C
                  sync_bn=False,  # BatchNorm layers normalise with the global batch's statistics (see below)
+                 strategy='ddp',  # 'ddp': every rank holds the whole model; 'fsdp': each its shards (FSDP2, below)
                 ):
         check_count('agree_every', agree_every)
+        if strategy not in STRATEGIES: raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+        self.strategy = strategy
         self.agree_every, self._ddp, self._quietened, self._joined, self.rank, self.world_size = agree_every, None, [], False, 0, 1
         self.distributed, self._ddp_clean, self._made_host_group, self.processes = False, False, False, ONE_PROCESS
         self.sync_bn, self._batch_norms, self._synced_kind = sync_bn, [], None
@@ -187,18 +196,12 @@ class DistributedTrainer(StepSetting):
         # one wrapper for all the fits of a `with` block (making one costs collectives), unless it may be in a bad state
         device = next(self.model.parameters()).device
         if self.sync_bn: self._sync_batch_norms(device)
+        if self.strategy == 'fsdp': return  # the model was sharded as the block began: FSDP2 syncs its gradients
         if self._ddp is None or not self._ddp_clean or self._ddp.device_ids != _device_ids(device):
             self._ddp = DistributedDataParallel(self.model, device_ids=_device_ids(device))
             # a hook in Python costs a little on every step: in a world of 1 the message goes on its own (`_receive`)
             if self.world_size > 1: self._ddp.register_comm_hook(self, _carry_messages)
         self._ddp_clean = False
-
-    @property
-    def module(self): return self._ddp  # what the training step calls on a training batch
-
-    def gradient_sync(self, due):
-        "The backward of a batch: its gradients summed over the processes only when it ends the step (DDP's `no_sync`)."
-        return nullcontext() if due else self._ddp.no_sync()
 
     def before_train(self): self.learn.dls.train.sampler.set_epoch(self.learn.epoch)
 
@@ -221,19 +224,24 @@ def _device_ids(device): return [device.index] if device.type == 'cuda' else Non
 def distributed(self:Learner,
                 seed=None,  # the seed of the training order; None: the training loader's generator's
                 sync_bn=False,  # BatchNorm layers normalise with the statistics of the global batch, as in one process
+                strategy=None,  # 'ddp' (each rank the whole model) or 'fsdp' (each its shards); None: 'fsdp' if sharded
                ):
     """Within the block, fit as one of the processes of torch.distributed (alone: as a world of 1), each on its shard of the data.
 
     Args:
         seed: the seed of the training order; None: the training loader's generator's
         sync_bn: BatchNorm layers normalise with the statistics of the global batch, as in one process
+        strategy: 'ddp' (each rank the whole model) or 'fsdp' (each its shards); None: 'fsdp' if sharded
     """
     check_world()
-    shards = shard_dls(self.dls, process_rank(), process_count(), seed)  # checks the loaders before anything changes
+    strategy = _strategy(self, strategy)  # checked, with the model and the optimizer, before anything changes
+    # FSDP2's forward passes meet the other ranks: every rank validates on the whole set, in step with the others
+    shards = shard_dls(self.dls, process_rank(), process_count(), seed, shard_valid=strategy == 'ddp')
     if sync_bn: check_batch_norms(self.model)
+    if strategy == 'fsdp': _shard_learner(self)
     own = self.dls
     try:
-        with self.added_cbs([DistributedTrainer(sync_bn=sync_bn)]) as (callback,):
+        with self.added_cbs([DistributedTrainer(sync_bn=sync_bn, strategy=strategy)]) as (callback,):
             self.dls = shards
             try:
                 yield callback
@@ -487,6 +495,95 @@ def _flush(self:DistributedTrainer):
     if self._losses:
         self._send()
         self._receive()
+
+# %% ../../nbs/15_distributed.ipynb #fs2
+STRATEGIES = ('ddp', 'fsdp')
+
+def is_sharded(model):
+    "Whether `model` (or one of its modules) was sharded by FSDP2's `fully_shard`."
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+# containers whose forward is never called: their parameters are gathered with those of the module that uses them
+_CONTAINERS = (nn.ParameterList, nn.ParameterDict, nn.ModuleList, nn.ModuleDict)
+
+def shard_model(model):
+    "Shard `model` with FSDP2: each child module with parameters on its own (a container left to its parent), then the whole."
+    for child in model.children():
+        if not isinstance(child, _CONTAINERS) and any(p.requires_grad for p in child.parameters()): fully_shard(child)
+    fully_shard(model)
+    return model
+
+def _strategy(learn, strategy):
+    "The strategy of a `distributed()` block: given, or 'fsdp' for a model sharded already; checked against the model."
+    sharded = is_sharded(learn.model)
+    if strategy is None: strategy = 'fsdp' if sharded else 'ddp'
+    if strategy not in STRATEGIES: raise ValueError(f"strategy must be one of {STRATEGIES} or None, got {strategy!r}")
+    scalars = [name for name, p in learn.model.named_parameters() if p.dim() == 0]
+    if strategy == 'fsdp' and not sharded and scalars:
+        raise ValueError(f"FSDP2 shards each parameter along its first dimension, and {scalars[:5]} have none (0-d): make "
+                         "them tensors of one element, or use strategy='ddp'")
+    if sharded and strategy == 'ddp':
+        raise ValueError("the model is sharded by FSDP2 (`fully_shard`): DDP cannot wrap it; use strategy='fsdp' (or None)")
+    if strategy == 'fsdp' and not sharded and learn.opt is not None and any(learn.opt.state.values()):
+        raise ValueError("the optimizer has a state already (a fit before this block), which cannot follow the parameters "
+                         "into shards: shard from the start, or `learn.opt = None` to start the optimizer afresh")
+    return strategy
+
+def _shard_learner(learn):
+    "Shard the learner's model (once), and drop an optimizer made on its unsharded parameters."
+    if is_sharded(learn.model): return
+    shard_model(learn.model)
+    learn.opt = None  # made again, on the shards, by the first fit
+
+@contextmanager
+def gradients_kept_unsharded(model):
+    "A backward pass whose gradients FSDP2 keeps unsharded and unsummed, and whose parameters stay gathered, for the step's next batch."
+    modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in modules: m.set_requires_gradient_sync(False, recurse=False); m.set_reshard_after_backward(False, recurse=False)
+    try: yield
+    finally:
+        for m in modules: m.set_requires_gradient_sync(True, recurse=False); m.set_reshard_after_backward(True, recurse=False)
+
+@patch(as_prop=True)
+def module(self:DistributedTrainer):
+    "What the training step calls on a training batch: DDP's wrapper, or the sharded model itself."
+    return self._ddp if self.strategy == 'ddp' else self.model
+
+@patch
+def gradient_sync(self:DistributedTrainer, due):
+    "The backward of a batch: its gradients summed over the processes only when it ends the step (DDP's `no_sync`)."
+    if due: return nullcontext()
+    return self._ddp.no_sync() if self.strategy == 'ddp' else gradients_kept_unsharded(self.model)
+
+# %% ../../nbs/15_distributed.ipynb #fs3
+def gathered(value):
+    "`value` (a state dict, nested) with each sharded tensor gathered whole (every rank calls it: it is a collective)."
+    if isinstance(value, DTensor): return value.full_tensor()
+    if isinstance(value, dict): return {k: gathered(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)): return type(value)(gathered(v) for v in value)
+    return value
+
+def sharded_like(value, like):
+    "`value` (a whole tensor) cut as the DTensor `like` is, or `value` itself when `like` is not sharded."
+    if not isinstance(like, DTensor) or isinstance(value, DTensor) or value.shape != like.shape: return value
+    return distribute_tensor(value.to(like.device, like.dtype), like.device_mesh, like.placements)
+
+@patch
+def gathered_state(self:DistributedTrainer, model_state, opt_state):
+    "The model's and the optimizer's states with their shards gathered whole, for a checkpoint."
+    if self.strategy != 'fsdp': return model_state, opt_state
+    return gathered(model_state), gathered(opt_state)
+
+@patch
+def sharded_state(self:DistributedTrainer, model_state, opt_state):
+    "A checkpoint's whole states cut into this rank's shards, like the sharded model's parameters."
+    if self.strategy != 'fsdp': return model_state, opt_state
+    own = self.model.state_dict()
+    model_state = {k: sharded_like(v, own[k]) if k in own else v for k, v in model_state.items()}
+    params = [p for group in self.opt.param_groups for p in group['params']]
+    state = {i: {k: sharded_like(v, params[i]) if torch.is_tensor(v) else v for k, v in s.items()}
+             for i, s in opt_state['state'].items()}
+    return model_state, {**opt_state, 'state': state}
 
 # %% ../../nbs/15_distributed.ipynb #c030f
 class DifferentiableSum(torch.autograd.Function):

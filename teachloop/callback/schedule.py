@@ -381,7 +381,7 @@ def _fit_scheduled(learn, n_epoch, scheds, wd, cbs, resume, fit_call):
 # %% ../../nbs/06_schedule.ipynb #c038
 class LRFinder(Callback):
     "Raise the learning rate exponentially from `start_lr` to `end_lr` over `num_it` batches; stop when the loss diverges."
-    # After TrainEvalCallback (`train_iter` then counts the batch just done) and the Recorder (it records the last batch too).
+    # After the Recorder (it records the last batch too); `train_iter` counts the batch just done (the loop counts it first).
     order, run_valid = 55, False
     def __init__(self, start_lr: float = 1e-7, end_lr: float = 10, num_it: int = 100, stop_div: bool = True,
                  beta: float = 0.98) -> None:

@@ -15,6 +15,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['AT_LEAST_0', 'ABOVE_0', 'IN_0_1', 'MISSING', 'OPTIMIZER_CALLBACKS', 'HyperValue', 'FAST_STEP_PLANNERS',
@@ -134,6 +135,7 @@ class CallbackFacts:
     effective_lr: object = MISSING  # `f(p, state, **hypers)`: its factor on each element's step, None if it has none (notebook 10)
     changes_grad: bool = False  # it writes into `p.grad` (L2 adds to it): the optimizer then hands it a copy
     per_group: tuple = ()  # run once per group, not per parameter: the names of the values it keeps in the group
+    whole: bool = False  # it reads a parameter's whole tensor (a norm, a matrix): on shards it runs on them gathered
 
     def missing(self):
         "The names of the facts not declared yet."
@@ -170,7 +172,6 @@ def check_hyper(name, value):
         raise TypeError(f"hyper-parameter {name!r} must be a real number, got {value!r} of type {type(value).__name__}")
     ok, rule = _hyper_rules[name]
     if not ok(value): raise ValueError(f"hyper-parameter {name!r} {rule}, got {value}")
-
 
 # %% ../../nbs/01_optimizer.ipynb #o05
 declare_callback(sgd_step, hypers={'lr': AT_LEAST_0})
@@ -432,6 +433,7 @@ class Optimizer(torch.optim.Optimizer):
 
     def step_param(self, p, hypers):
         "Run the per-parameter callbacks, in order, on parameter `p` with its group's `hypers`."
+        if _sharded(p) and self._needs_whole(hypers): return self._step_gathered(p, hypers)  # under the hood, below
         state = self.state[p]
         for cb in self._sorted_callbacks(hypers)[1]:
             new_state = cb(p, **{**state, **hypers})
@@ -576,3 +578,34 @@ declare_optimizer(RMSProp, [dict(lr=1e-2), dict(lr=1e-2, wd=0.01, decouple_wd=Fa
                   "averages the divided gradients); decoupled weight decay (torch's RMSprop has L2 only)")
 declare_optimizer(Adam, [dict(lr=1e-2), dict(lr=1e-2, mom=0.8, sqr_mom=0.9, eps=1e-8, wd=0.1),
                          dict(lr=1e-2, wd=0.1, decouple_wd=False)], reference=_torch_adam)
+
+# %% ../../nbs/01_optimizer.ipynb #sh02
+try: from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError: DTensor = None  # a torch built without torch.distributed has no sharded parameters
+
+def _sharded(t): return DTensor is not None and isinstance(t, DTensor)
+
+@patch
+def _needs_whole(self:Optimizer, hypers):
+    "Whether a callback of this group reads whole tensors (`whole` in its facts)."
+    return any(callback_facts(cb).whole for cb in self._sorted_callbacks(hypers)[1])
+
+def _whole(t): return t.full_tensor() if _sharded(t) else t
+def _shard_like(t, like):
+    "This process's rows of the whole tensor `t`, cut as the sharded parameter `like` is (others as they are)."
+    if not torch.is_tensor(t) or t.shape != like.shape: return t
+    return distribute_tensor(t, like.device_mesh, like.placements, src_data_rank=None)
+
+@patch
+@torch.no_grad()
+def _step_gathered(self:Optimizer, p, hypers):
+    "Run the callbacks on `p`'s whole tensor, gradient and state (gathered from every process), and keep this process's rows."
+    state = self.state[p]
+    whole = p.full_tensor().detach().clone()
+    whole.grad = p.grad.full_tensor()
+    gathered = {k: _whole(v) for k, v in state.items()}
+    for cb in self._sorted_callbacks(hypers)[1]:
+        new_state = cb(whole, **{**gathered, **hypers})
+        if new_state: gathered.update(new_state)
+    p.to_local().copy_(_shard_like(whole, p).to_local())
+    state.update({k: _shard_like(v, p) for k, v in gathered.items()})

@@ -90,7 +90,8 @@ def lamb_step(p, lr, mom, sqr_mom, step, grad_avg, sqr_avg, eps, wd, do_wd=True,
     ratio = trust_ratio(p.norm(), update.norm())
     p.sub_(update.mul_(ratio * lr))
     return {'trust_ratio': ratio}
-declare_callback(lamb_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0, 'wd': AT_LEAST_0})
+declare_callback(lamb_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0, 'wd': AT_LEAST_0},
+                 whole=True)  # its trust ratio reads the norms of the whole tensors
 
 def Lamb(params, lr=1e-3, mom=0.9, sqr_mom=0.999, eps=1e-6, wd=0.01, fast=None):
     "LAMB (You et al. 2019), with the paper's defaults."

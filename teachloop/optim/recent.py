@@ -94,7 +94,7 @@ def orthogonalize_grad(p, ns_steps, ns_eps, ns_dtype=None, **kwargs):
     "Replace the gradient (a matrix) by its Newton-Schulz orthogonalisation, multiplied in `ns_dtype`."
     p.grad.copy_(newton_schulz(p.grad, ns_steps, ns_eps, ns_dtype))
 declare_callback(orthogonalize_grad, hypers={'ns_steps': NS_STEPS, 'ns_eps': ABOVE_0}, effective_lr=None,
-                 changes_grad=True)
+                 changes_grad=True, whole=True)
 
 def shape_scaled_step(p, lr, adjust_lr, **kwargs):
     "Move `p` by `-lr` times the gradient, times the ratio its shape gets from the rule `adjust_lr`."
@@ -264,7 +264,7 @@ def factored_sqr_grad(p, step, beta2_decay, row_var=None, col_var=None, sqr_avg=
     row_var.lerp_(torch.linalg.vector_norm(grad, dim=-1, keepdim=True).square_().div_(grad.size(-1)), new_weight)
     col_var.lerp_(torch.linalg.vector_norm(grad, dim=-2, keepdim=True).square_().div_(grad.size(-2)), new_weight)
     return {'row_var': row_var, 'col_var': col_var}
-declare_callback(factored_sqr_grad, hypers={'beta2_decay': AT_MOST_0}, effective_lr=None)
+declare_callback(factored_sqr_grad, hypers={'beta2_decay': AT_MOST_0}, effective_lr=None, whole=True)
 
 def adafactor_step(p, step_size, d, eps1, row_var=None, col_var=None, sqr_avg=None, **kwargs):
     "Step by the gradient over the root of the estimate, clipped to a root-mean-square of `d`, times `step_size`."
@@ -274,7 +274,7 @@ def adafactor_step(p, step_size, d, eps1, row_var=None, col_var=None, sqr_avg=No
     p.sub_(update.mul_(step_size / clip))
 declare_callback(adafactor_step, hypers={'d': AT_LEAST_1},
                  effective_lr=lambda p, state, eps1, **hypers: state['step_size'] * sqr_grad_estimate(
-                     p, eps1, state.get('row_var'), state.get('col_var'), state.get('sqr_avg')).rsqrt())
+                     p, eps1, state.get('row_var'), state.get('col_var'), state.get('sqr_avg')).rsqrt(), whole=True)
 
 def sqr_grad_estimate(p, eps1, row_var=None, col_var=None, sqr_avg=None):
     "Adafactor's estimate of the mean square of each gradient entry: R C^T / mean(R) for a matrix, else the average."
@@ -474,7 +474,7 @@ def eigenbasis_adam_step(p, lr, mom, sqr_mom, step, eps, grad_avg, left_basis=No
     p.sub_(direction, alpha=lr / debias(mom, 1 - mom, step))
     return {'rotated_sqr_avg': rotated_sqr_avg}
 declare_callback(eigenbasis_adam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0},
-                 effective_lr=None)  # its per-element rates live in the rotated space, not on the weights
+                 effective_lr=None, whole=True)  # its per-element rates live in the rotated space, not on the weights
 
 # %% ../../nbs/07a_recent_optimizers.ipynb #u07
 def eigenvectors(matrix):
@@ -493,7 +493,7 @@ def shampoo_eigenbases(p, sqr_mom, step, precondition_frequency, left_stats=None
         new_state.update(left_basis=eigenvectors(left_stats), right_basis=eigenvectors(right_stats))
     return new_state
 declare_callback(shampoo_eigenbases, hypers={'sqr_mom': IN_0_1, 'precondition_frequency': WHOLE_AT_LEAST_1},
-                 effective_lr=None)
+                 effective_lr=None, whole=True)
 
 def SOAP(params, lr=3e-3, mom=0.95, sqr_mom=0.95, eps=1e-8, wd=0.01, precondition_frequency=10, fast=None):
     "SOAP (Vyas et al. 2024): Adam in the eigenbasis of Shampoo's preconditioners, renewed every `precondition_frequency` steps."

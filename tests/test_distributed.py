@@ -359,7 +359,7 @@ def test_alone_the_shards_are_the_whole_data_in_the_distributed_sampler_order():
 
 
 def nccl_fit():
-    return digits_fit(32, 0.1, 1, SGD_MOM, cbs=[])
+    return digits_fit(32, 0.1, 3, SGD_MOM, cbs=[])  # one epoch of 45 steps leaves the loss near 2.2 even on one CPU
 
 
 @pytest.mark.cuda
@@ -368,7 +368,7 @@ def test_the_same_fit_on_gpus_with_nccl():
     ranks = run_ranks(nccl_fit, world_size=torch.cuda.device_count(), backend='nccl', timeout=300)
     for rank in ranks[1:]:
         assert all(torch.equal(w, ranks[0]['weights'][k]) for k, w in rank['weights'].items())
-    assert ranks[0]['values'][-1][2] < 2.0 and ranks[0]['values'][-1][3] > 0.5
+    assert ranks[0]['values'][-1][2] < 1.0 and ranks[0]['values'][-1][3] > 0.8  # one CPU process: 0.24 and 0.94
 
 
 def quiet_except_rank_zero():

@@ -256,8 +256,10 @@ def test_sync_free_check_never_makes_the_host_wait_on_the_gpu(tmp_path):
             torch.cuda.set_sync_debug_mode('error')
             try: handler()
             finally: torch.cuda.set_sync_debug_mode('default')
-        def before_batch(self): self._strict(super().before_batch)
-        def before_step(self): self._strict(super().before_step)
+        # what the training step calls at each batch: the batch's start, the check before the step, the step's end
+        def begin_batch(self, learn): self._strict(lambda: super(Strict, self).begin_batch(learn))
+        def check(self, opt): self._strict(lambda: super(Strict, self).check(opt))
+        def stepped(self): self._strict(lambda: super(Strict, self).stepped())
     torch.manual_seed(0)
     learn = quiet(Learner(digits_dls(bs=32), dropout_model(), F.cross_entropy, cbs=[Strict(tmp_path / 'nan.pt', check_every=2)]))
     learn.fit(2)

@@ -447,7 +447,7 @@ class MixedPrecision(StepSetting):
                  sync_free: bool | None = None,  # take a step with an inf back on the device, read later; None: on CUDA
                 ) -> None:
         if sync_free not in (None, True, False): raise ValueError(f"sync_free must be None, True or False, got {sync_free!r}")
-        self.dtype, self.sync_free, self.scaler, self._saved_scaler = dtype, sync_free, None, None
+        self.requested, self.dtype, self.sync_free, self.scaler, self._saved_scaler = dtype, dtype, sync_free, None, None
         self.skipped, self._undo, self._pending, self.device_type, self._unscaled = 0, None, None, None, False
 
     def apply_to(self, step):
@@ -455,11 +455,13 @@ class MixedPrecision(StepSetting):
         step.precision = self
 
     def before_fit(self):
+        self._choose_types()  # again: the model is on the fit's device by now (DeviceCallback runs first)
         self.scaler = torch.amp.GradScaler(self.device_type) if self.dtype == torch.float16 else None
         if self.scaler is not None and self._saved_scaler is not None: self.scaler.load_state_dict(self._saved_scaler)
         self._saved_scaler, self.skipped, self._undo, self._pending, self._unscaled = None, 0, None, None, False
         self._deferred = self.sync_free if self.sync_free is not None else self.device_type == 'cuda'
 
+    def before_validate(self): self._choose_types()
     def autocast(self): return torch.autocast(self.device_type, dtype=self.dtype)
     def scale(self, loss): return self.scaler.scale(loss) if self.scaler is not None else loss
 
@@ -473,7 +475,7 @@ class MixedPrecision(StepSetting):
 def _choose_types(self:MixedPrecision):
     "The device type of the model's parameters now and, unless given, the dtype for it."
     self.device_type = next(self.model.parameters()).device.type
-    if self.dtype is None: self.dtype = torch.float16 if self.device_type == 'cuda' else torch.bfloat16
+    self.dtype = self.requested or (torch.float16 if self.device_type == 'cuda' else torch.bfloat16)
 
 def _has_grads(opt):
     return any(p.grad is not None for group in opt.param_groups for p in group['params'])

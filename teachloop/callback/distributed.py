@@ -41,8 +41,8 @@ from .schedule import LRFinder, fit_one_cycle  # the import adds `Learner.fit_on
 # %% auto #0
 __all__ = ['STRATEGIES', 'init_distributed', 'all_reduce_demo', 'ShardSampler', 'check_shardable', 'shard_loader', 'shard_dls',
            'sum_over_processes', 'any_process', 'ProcessGroup', 'check_world', 'DistributedTrainer', 'digits_fit',
-           'digits_bn_cnn', 'RanksDisagree', 'is_sharded', 'shard_model', 'gradients_kept_unsharded', 'gathered',
-           'sharded_like', 'DifferentiableSum', 'global_moments', 'GlobalBatchNorm', 'batch_norm_layers',
+           'digits_bn_cnn', 'RanksDisagree', 'is_sharded', 'shard_model', 'drop_gathered', 'gradients_kept_unsharded',
+           'gathered', 'sharded_like', 'DifferentiableSum', 'global_moments', 'GlobalBatchNorm', 'batch_norm_layers',
            'check_batch_norms', 'synced_copy', 'swap_batch_norms', 'PoisonBatch', 'nan_on_one_rank', 'free_port',
            'RankFailed', 'run_ranks']
 
@@ -203,7 +203,11 @@ class DistributedTrainer(StepSetting):
             if self.world_size > 1: self._ddp.register_comm_hook(self, _carry_messages)
         self._ddp_clean = False
 
-    def before_train(self): self.learn.dls.train.sampler.set_epoch(self.learn.epoch)
+    def before_train(self):
+        self.learn.dls.train.sampler.set_epoch(self.learn.epoch)
+        if self.strategy == 'fsdp': drop_gathered(self.model)  # FSDP2, below
+    def before_validate(self):
+        if self.strategy == 'fsdp': drop_gathered(self.model)
 
 # %% ../../nbs/15_distributed.ipynb #u03
 @patch
@@ -534,6 +538,13 @@ def _shard_learner(learn):
     if is_sharded(learn.model): return
     shard_model(learn.model)
     learn.opt = None  # made again, on the shards, by the first fit
+
+def drop_gathered(model):
+    """Free the whole parameters FSDP2 keeps after a forward with no backward (the root's, after validation): each phase
+    starts with them, so its first forward gathers what the shards hold now, changed in between or not (Schedule-Free's
+    switch between its two points, weights loaded)."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule): m.reshard()
 
 @contextmanager
 def gradients_kept_unsharded(model):

@@ -17,6 +17,11 @@ from typing import Any
 import torch
 from fastcore.basics import patch
 
+try: from torch.distributed.tensor import DTensor, distribute_tensor
+except ImportError: DTensor = None  # a torch built without torch.distributed has no sharded parameters
+
+def _sharded(t): return DTensor is not None and isinstance(t, DTensor)  # a parameter in shards (under the hood, below)
+
 # %% auto #0
 __all__ = ['AT_LEAST_0', 'ABOVE_0', 'IN_0_1', 'MISSING', 'OPTIMIZER_CALLBACKS', 'HyperValue', 'FAST_STEP_PLANNERS',
            'PER_PARAMETER_SETTINGS', 'Params', 'OPTIMIZERS', 'sgd_step', 'weight_decay', 'l2_reg', 'average_grad',
@@ -580,11 +585,6 @@ declare_optimizer(Adam, [dict(lr=1e-2), dict(lr=1e-2, mom=0.8, sqr_mom=0.9, eps=
                          dict(lr=1e-2, wd=0.1, decouple_wd=False)], reference=_torch_adam)
 
 # %% ../../nbs/01_optimizer.ipynb #sh02
-try: from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError: DTensor = None  # a torch built without torch.distributed has no sharded parameters
-
-def _sharded(t): return DTensor is not None and isinstance(t, DTensor)
-
 @patch
 def _needs_whole(self:Optimizer, hypers):
     "Whether a callback of this group reads whole tensors (`whole` in its facts)."

@@ -540,9 +540,9 @@ def _shard_learner(learn):
     learn.opt = None  # made again, on the shards, by the first fit
 
 def drop_gathered(model):
-    """Free the whole parameters FSDP2 keeps after a forward with no backward (the root's, after validation): each phase
-    starts with them, so its first forward gathers what the shards hold now, changed in between or not (Schedule-Free's
-    switch between its two points, weights loaded)."""
+    "Free the whole parameters FSDP2 keeps after a forward with no backward (the root's, after a validation)."
+    # each phase starts so: its first forward gathers what the shards hold now, changed in between or not
+    # (Schedule-Free's switch between its two points, weights loaded)
     for m in model.modules():
         if isinstance(m, FSDPModule): m.reshard()
 

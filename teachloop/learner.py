@@ -1433,6 +1433,7 @@ def _fields(obj): return [f for f in dataclasses.fields(obj) if f.init]  # those
 PAD_OPTIONS = "pass `pad=` a value to pad them with to the widest (0, -100, nan), or pad='list' for a list of the batches"
 
 def check_pad(pad):
+    "Refuse a `pad` of `get_preds` that is neither None, a number nor 'list'."
     if pad is None or pad == 'list' or (isinstance(pad, (int, float)) and not isinstance(pad, bool)): return
     raise ValueError(f"pad must be None, a number or 'list', got {pad!r}")
 

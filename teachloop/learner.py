@@ -5,6 +5,7 @@
 # %% ../nbs/04_learner.ipynb #c002
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import itertools
 import os
@@ -30,14 +31,14 @@ from .random_state import (loader_generators, rng_readers, rng_states, same_stat
 
 # %% auto #0
 __all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'ONE_PROCESS', 'Splitter', 'LOSS_ACTIVATIONS',
-           'REGRESSION_LOSSES', 'COMPILED_PREFIX', 'CancelBatchException', 'CancelBackwardException',
+           'REGRESSION_LOSSES', 'COMPILED_PREFIX', 'PAD_OPTIONS', 'CancelBatchException', 'CancelBackwardException',
            'CancelStepException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
            'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'set_optimizer_mode',
            'TrainEvalCallback', 'add_default_callbacks', 'OneProcess', 'FitState', 'TrainingStep', 'StepSetting',
            'default_splitter', 'Learner', 'callback_list', 'GatherPreds', 'softmax_over_classes', 'most_probable_class',
            'above_half', 'activation_known', 'loss_activation', 'loss_decodes', 'clip_gradients', 'loader_length',
            'SkipBatches', 'epoch_seeded', 'HyperParameterClash', 'check_fit_args', 'state_for', 'check_state_matches',
-           'optimizer_with_state', 'restore_training_state', 'EventLog']
+           'optimizer_with_state', 'restore_training_state', 'check_pad', 'EventLog']
 
 # %% ../nbs/04_learner.ipynb #c004
 class CancelBatchException(Exception):
@@ -729,7 +730,12 @@ def loss_decodes(loss_func):
     "What turns probabilities for `loss_func` into answers: the most probable class, each label above 1/2 (or nothing)."
     return getattr(loss_func, 'decodes', None) or _known(loss_func, 3)
 
-def _warn_raw_outputs(loss_func):
+@patch
+def _warn_raw_outputs(self:Learner):
+    "Once per learner and loss: the loss's activation is unknown, the predictions are raw outputs."
+    loss_func = self.loss_func
+    if getattr(self, '_raw_outputs_told', None) is loss_func: return
+    self._raw_outputs_told = loss_func
     name = getattr(loss_func, '__name__', type(loss_func).__name__)
     warnings.warn(f"get_preds does not know the activation of the loss {name}: the predictions are the model's raw "
                   "outputs. Pass `act=` (e.g. `act=softmax_over_classes` for a classifier, `act=lambda out: out` to keep "
@@ -742,6 +748,7 @@ def get_preds(self:Learner,
               with_input: bool = False,  # return the inputs too, first
               with_decoded: bool = False,  # return the decoded predictions too, last (`loss_decodes`)
               act: Callable | None = None,  # applied to the model's output; None: the loss's activation (`loss_activation`)
+              pad: float | str | None = None,  # batches of different widths: a value to pad them with, or 'list' (see below)
              ) -> tuple[Any, ...]:
     """`(inputs, predictions, targets, decoded)` over `dl` on the CPU: inputs and decoded on request, targets None if none.
 
@@ -750,27 +757,32 @@ def get_preds(self:Learner,
         with_input: return the inputs too, first
         with_decoded: return the decoded predictions too, last (`loss_decodes`)
         act: applied to the model's output; None: the loss's activation (`loss_activation`)
+        pad: batches of different widths: a value to pad them with, or 'list' (see below)
     """
+    check_pad(pad)
     gather = GatherPreds(with_input)
     with self.exclusive('get_preds'), self.added_cbs([gather]): self._evaluate(dl)
-    if act is None and not activation_known(self.loss_func): _warn_raw_outputs(self.loss_func)
-    preds = (act or loss_activation(self.loss_func))(_gathered(gather.preds))  # `_gathered`: under the hood
-    found = [_unpacked(_gathered(gather.inputs))] if with_input else []
-    found += [preds, _unpacked(_gathered(gather.targets))]
+    if act is None and not activation_known(self.loss_func): self._warn_raw_outputs()
+    joined = lambda chunks: _gathered(chunks, pad)  # `_gathered`: under the hood
+    preds = (act or loss_activation(self.loss_func))(joined(gather.preds))
+    found = [_unpacked(joined(gather.inputs))] if with_input else []
+    found += [preds, _unpacked(joined(gather.targets))]
     if with_decoded: found.append(loss_decodes(self.loss_func)(preds))
     return tuple(found)
 
 @patch
 def predict(self:Learner,
             item: torch.Tensor | Sequence[torch.Tensor],  # the model's inputs for one example, without a batch dimension
+            act: Callable | None = None,  # as `get_preds`'s: None, the loss's activation
            ) -> tuple[Any, Any]:
     """`(decoded, probabilities)` of one item, as `get_preds` makes them.
 
     Args:
         item: the model's inputs for one example, without a batch dimension
+        act: as `get_preds`'s: None, the loss's activation
     """
     with self.exclusive('predict'):
-        try: preds, _, decoded = self.get_preds(dl=[_batch_of_one(self, item)], with_decoded=True)
+        try: preds, _, decoded = self.get_preds(dl=[_batch_of_one(self, item)], with_decoded=True, act=act)
         except TypeError as e:
             if self.n_inp is None and isinstance(item, (list, tuple)) and len(item) > 1: _add_note(e, _whole_item_note)
             raise
@@ -1405,29 +1417,61 @@ def _rebuilt(like, parts):
     "A tuple, list or named tuple of the same type as `like`, holding `parts`."
     return type(like)(*parts) if hasattr(like, '_fields') else type(like)(parts)
 
+def _is_dataclass(obj): return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+
 def _map_tensors(fn, obj):
-    "`obj` with `fn` applied to each of its tensors, nested in tuples, lists and dicts."
+    "`obj` with `fn` applied to each of its tensors, nested in tuples, lists, dicts and dataclasses."
     if isinstance(obj, torch.Tensor): return fn(obj)
+    if _is_dataclass(obj):
+        return dataclasses.replace(obj, **{f.name: _map_tensors(fn, getattr(obj, f.name)) for f in _fields(obj)})
     if isinstance(obj, Mapping): return {k: _map_tensors(fn, v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)): return _rebuilt(obj, [_map_tensors(fn, v) for v in obj])
     return obj
 
-def _joined(chunks):
-    "The batches in `chunks` (tensors, or tuples, lists or dicts of them) as one, joined along the batch dimension."
+def _fields(obj): return [f for f in dataclasses.fields(obj) if f.init]  # those `replace` takes
+
+PAD_OPTIONS = "pass `pad=` a value to pad them with to the widest (0, -100, nan), or pad='list' for a list of the batches"
+
+def check_pad(pad):
+    "Refuse a `pad` of `get_preds` that is neither None, a number nor 'list'."
+    if pad is None or pad == 'list' or (isinstance(pad, (int, float)) and not isinstance(pad, bool)): return
+    raise ValueError(f"pad must be None, a number or 'list', got {pad!r}")
+
+def _joined(chunks, pad=None):
+    "The batches in `chunks` (tensors, or tuples, lists, dicts or dataclasses of them) as one, along the batch dimension."
     first = chunks[0]
-    if isinstance(first, torch.Tensor): return torch.cat(chunks) if first.ndim else torch.stack(chunks)
-    if isinstance(first, Mapping): return {k: _joined([c[k] for c in chunks]) for k in first}
-    if isinstance(first, (list, tuple)): return _rebuilt(first, [_joined(list(part)) for part in zip(*chunks)])
+    if isinstance(first, torch.Tensor): return _joined_tensors(chunks, pad)
+    if _is_dataclass(first):
+        return dataclasses.replace(first, **{f.name: _joined([getattr(c, f.name) for c in chunks], pad) for f in _fields(first)})
+    if isinstance(first, Mapping): return {k: _joined([c[k] for c in chunks], pad) for k in first}
+    if isinstance(first, (list, tuple)): return _rebuilt(first, [_joined(list(part), pad) for part in zip(*chunks)])
     return list(chunks)  # anything else: one entry per batch
+
+def _joined_tensors(chunks, pad):
+    "Tensors joined along the batch dimension; of different sizes past it: padded with `pad`, or a list with pad='list'."
+    if not chunks[0].ndim: return torch.stack(chunks)
+    shapes = {tuple(c.shape[1:]) for c in chunks}
+    if len(shapes) == 1: return torch.cat(chunks)
+    if pad == 'list': return list(chunks)
+    if pad is None:
+        raise ValueError(f"the batches' outputs differ in size past the batch dimension ({', '.join(map(str, sorted(shapes)[:3]))}"
+                         f"{', ...' if len(shapes) > 3 else ''}): {PAD_OPTIONS}")
+    widest = [max(sizes) for sizes in zip(*shapes)]
+    out = chunks[0].new_full((sum(len(c) for c in chunks), *widest), pad)
+    at = 0
+    for c in chunks:
+        out[(slice(at, at + len(c)), *(slice(0, n) for n in c.shape[1:]))] = c
+        at += len(c)
+    return out
 
 def _on_cpu_in_float32(t):
     t = t.cpu()
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
 
-def _gathered(chunks):
-    "What `GatherPreds` kept of each batch, joined, on the CPU, half precision made float32."
+def _gathered(chunks, pad=None):
+    "What `GatherPreds` kept of each batch, joined (`pad`: see `_joined_tensors`), on the CPU, half precision made float32."
     if not chunks: raise ValueError("the data loader gave no batches to predict on")
-    return _map_tensors(_on_cpu_in_float32, _joined(chunks))
+    return _map_tensors(_on_cpu_in_float32, _joined(chunks, pad))
 
 def _unpacked(items):
     "The inputs or targets of a batch: None if there are none, the tensor if one, else the tuple."

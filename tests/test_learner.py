@@ -1077,3 +1077,89 @@ def test_predict_on_a_data_sets_item_with_its_target_says_what_to_pass():
     with pytest.raises(TypeError) as caught: learn.predict(item)
     assert 'learn.predict(item[0])' in ''.join(getattr(caught.value, '__notes__', []))
     assert torch.equal(learn.predict(item[0])[1], Learner(learn.dls, learn.model, F.cross_entropy, n_inp=1).predict(item)[1])
+
+
+class PerStep(nn.Module):
+    "A sequence model: (batch, length, 2) to one score per step, (batch, length); its length is the batch's own."
+    def __init__(self): super().__init__(); self.lin = nn.Linear(2, 1, dtype=torch.float64); self.calls = 0
+    def forward(self, x): self.calls += 1; return self.lin(x).squeeze(-1)
+
+
+def padded_batches():
+    "Two batches padded each to its own longest sequence: lengths 3 and 5."
+    generator = torch.Generator().manual_seed(0)
+    x1, x2 = (torch.randn(4, n, 2, generator=generator, dtype=torch.float64) for n in (3, 5))
+    return [(x1, x1.sum(-1)), (x2, x2.sum(-1))]
+
+
+def test_get_preds_joins_batches_of_different_widths_padded_or_as_a_list_and_refuses_to_guess():
+    batches = padded_batches()
+    model = PerStep()
+    learn = Learner(DataLoaders(batches, batches), model, F.mse_loss, opt_func=SGD, default_cbs=False)
+    with pytest.raises(ValueError, match=r"differ in size past the batch dimension \(\(3,\), \(5,\)\).*pad=.*pad='list'"):
+        learn.get_preds()
+    calls = model.calls
+    with pytest.raises(ValueError, match='pad must be'): learn.get_preds(pad='zeros')
+    assert model.calls == calls  # refused before the model ran
+    by_hand = [outputs_by_hand(model, x) for x, _ in batches]
+    preds, targets = learn.get_preds(pad=-100)
+    assert preds.shape == targets.shape == (8, 5)
+    assert torch.equal(preds[:4, :3], by_hand[0]) and torch.equal(preds[4:], by_hand[1])
+    assert (preds[:4, 3:] == -100).all() and (targets[:4, 3:] == -100).all() and torch.equal(targets[4:], batches[1][1])
+    preds, targets = learn.get_preds(pad='list')
+    assert [p.shape for p in preds] == [(4, 3), (4, 5)] and all(torch.equal(p, h) for p, h in zip(preds, by_hand))
+    decoded, item = learn.predict(batches[0][0][1], act=lambda out: out * 2)  # predict takes `act` as get_preds does
+    assert torch.equal(item, 2 * by_hand[0][1])
+
+
+def test_get_preds_joins_dataclass_outputs_field_by_field_and_warns_once_of_an_unknown_activation():
+    import dataclasses
+
+    @dataclasses.dataclass
+    class Output:
+        logits: torch.Tensor
+        features: torch.Tensor
+        name: str = 'heads'
+
+    class TwoHeads(nn.Module):
+        def __init__(self): super().__init__(); self.a, self.b = nn.Linear(3, 2).double(), nn.Linear(3, 4).double()
+        def forward(self, x): return Output(self.a(x), self.b(x))
+
+    x, labels = float64_data()
+    loss = lambda out, y: F.cross_entropy(out.logits, y)
+    learn = Learner(loaders(x, labels), TwoHeads(), loss, opt_func=SGD, default_cbs=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        preds, targets = learn.get_preds()
+        learn.get_preds()
+    assert len([w for w in caught if 'activation' in str(w.message)]) == 1  # once for this learner and loss
+    by_hand = outputs_by_hand(learn.model, x)
+    assert isinstance(preds, Output) and preds.name == ['heads'] * 3  # what is not a tensor: one entry per batch, as elsewhere
+    assert torch.equal(preds.logits, by_hand.logits) and torch.equal(preds.features, by_hand.features)
+    assert torch.equal(targets, labels)
+
+
+def test_metrics_see_float32_inside_any_container_under_mixed_precision():
+    import dataclasses
+    from teachloop.callback.core import MixedPrecision
+
+    @dataclasses.dataclass
+    class Output:
+        logits: torch.Tensor
+
+    class Wrapped(nn.Module):
+        def __init__(self): super().__init__(); self.lin = nn.Linear(3, 2)
+        def forward(self, x): return Output(self.lin(x))
+
+    seen = []
+    def logit_accuracy(out, y):
+        seen.append(out.logits.dtype)
+        return (out.logits.argmax(1) == y).float().mean()
+
+    x, labels = float64_data()
+    learn = Learner(loaders(x.float(), labels), Wrapped(), lambda out, y: F.cross_entropy(out.logits, y), opt_func=SGD,
+                    metrics=[logit_accuracy], cbs=[MixedPrecision(torch.bfloat16)])
+    learn.progress.show_bar = learn.progress.print_rows = False
+    learn.fit(1)
+    with torch.autocast('cpu', dtype=torch.bfloat16): assert outputs_by_hand(learn.model, x.float()).logits.dtype == torch.bfloat16
+    assert seen and set(seen) == {torch.float32}

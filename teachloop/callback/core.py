@@ -20,7 +20,7 @@ import torch
 from ..core import check_count, default_device, process_count, process_rank, several_processes, to_device
 from fastcore.basics import patch
 
-from ..learner import Callback, Learner, StepSetting, add_default_callbacks, loader_length
+from ..learner import Callback, Learner, StepSetting, _map_tensors, add_default_callbacks, loader_length
 from ..random_state import loader_generators, rng_states, set_rng_states
 from ..optim.core import Optimizer
 
@@ -334,8 +334,8 @@ def _whole_set_value(self:Recorder, metric):
     return torch.tensor(float('nan')) if value is None else _metric_tensor(value, metric)
 
 def _full_precision(pred):
-    "A float16 or bfloat16 output (under mixed precision) in float32, as a metric expects; anything else as it is."
-    return pred.float() if isinstance(pred, torch.Tensor) and pred.dtype in (torch.float16, torch.bfloat16) else pred
+    "The float16 or bfloat16 tensors of an output (under mixed precision), in any container, in float32, as a metric expects."
+    return _map_tensors(lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t, pred)
 
 # %% ../../nbs/05_callbacks.ipynb #c016
 def smoothing_window(n_batches, beta=0.98):

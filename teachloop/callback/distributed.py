@@ -11,6 +11,7 @@ import os
 import pickle
 import signal
 import socket
+import sys
 import time
 import traceback
 from contextlib import contextmanager
@@ -23,8 +24,6 @@ import torch.multiprocessing as mp
 from torch import nn
 from fastcore.basics import patch
 from torch.nn.parallel import DistributedDataParallel
-from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, RandomSampler, Sampler, SequentialSampler
 
 from .core import accuracy
@@ -34,7 +33,7 @@ from .faults import TerminateOnNaN
 from contextlib import nullcontext
 from ..learner import ONE_PROCESS, Callback, CancelFitException, Learner, StepSetting
 from .nan_capture import NaNCapture
-from ..optim.core import SGD
+from ..optim.core import SGD, _sharded
 from ..random_state import set_seed
 from .schedule import LRFinder, fit_one_cycle  # the import adds `Learner.fit_one_cycle`, which `digits_fit` uses
 
@@ -505,13 +504,16 @@ STRATEGIES = ('ddp', 'fsdp')
 
 def is_sharded(model):
     "Whether `model` (or one of its modules) was sharded by FSDP2's `fully_shard`."
-    return any(isinstance(m, FSDPModule) for m in model.modules())
+    # no module is sharded before torch.distributed.fsdp is imported (it is imported when first needed: half a second)
+    fsdp_module = getattr(sys.modules.get('torch.distributed.fsdp'), 'FSDPModule', None)
+    return fsdp_module is not None and any(isinstance(m, fsdp_module) for m in model.modules())
 
 # containers whose forward is never called: their parameters are gathered with those of the module that uses them
 _CONTAINERS = (nn.ParameterList, nn.ParameterDict, nn.ModuleList, nn.ModuleDict)
 
 def shard_model(model):
     "Shard `model` with FSDP2: each child module with parameters on its own (a container left to its parent), then the whole."
+    from torch.distributed.fsdp import fully_shard
     for child in model.children():
         if not isinstance(child, _CONTAINERS) and any(p.requires_grad for p in child.parameters()): fully_shard(child)
     fully_shard(model)
@@ -543,12 +545,14 @@ def drop_gathered(model):
     "Free the whole parameters FSDP2 keeps after a forward with no backward (the root's, after a validation)."
     # each phase starts so: its first forward gathers what the shards hold now, changed in between or not
     # (Schedule-Free's switch between its two points, weights loaded)
+    from torch.distributed.fsdp import FSDPModule
     for m in model.modules():
         if isinstance(m, FSDPModule): m.reshard()
 
 @contextmanager
 def gradients_kept_unsharded(model):
     "A backward pass whose gradients FSDP2 keeps unsharded and unsummed, and whose parameters stay gathered, for the step's next batch."
+    from torch.distributed.fsdp import FSDPModule
     modules = [m for m in model.modules() if isinstance(m, FSDPModule)]
     for m in modules: m.set_requires_gradient_sync(False, recurse=False); m.set_reshard_after_backward(False, recurse=False)
     try: yield
@@ -569,14 +573,15 @@ def gradient_sync(self:DistributedTrainer, due):
 # %% ../../nbs/15_distributed.ipynb #fs3
 def gathered(value):
     "`value` (a state dict, nested) with each sharded tensor gathered whole (every rank calls it: it is a collective)."
-    if isinstance(value, DTensor): return value.full_tensor()
+    if _sharded(value): return value.full_tensor()
     if isinstance(value, dict): return {k: gathered(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)): return type(value)(gathered(v) for v in value)
     return value
 
 def sharded_like(value, like):
     "`value` (a whole tensor) cut as the DTensor `like` is, or `value` itself when `like` is not sharded."
-    if not isinstance(like, DTensor) or isinstance(value, DTensor) or value.shape != like.shape: return value
+    if not _sharded(like) or _sharded(value) or value.shape != like.shape: return value
+    from torch.distributed.tensor import distribute_tensor
     return distribute_tensor(value.to(like.device, like.dtype), like.device_mesh, like.placements)
 
 @patch

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import inspect
+import sys
 import math
 import numbers
 from contextlib import contextmanager
@@ -17,10 +18,11 @@ from typing import Any
 import torch
 from fastcore.basics import patch
 
-try: from torch.distributed.tensor import DTensor, distribute_tensor
-except ImportError: DTensor = None  # a torch built without torch.distributed has no sharded parameters
-
-def _sharded(t): return DTensor is not None and isinstance(t, DTensor)  # a parameter in shards (under the hood, below)
+def _sharded(t):
+    "Whether `t` is a parameter in shards, a DTensor (under the hood, below)."
+    # no tensor is sharded before torch.distributed.tensor is imported (importing it here would cost half a second)
+    dtensor = getattr(sys.modules.get('torch.distributed.tensor'), 'DTensor', None)
+    return dtensor is not None and isinstance(t, dtensor)
 
 # %% auto #0
 __all__ = ['AT_LEAST_0', 'ABOVE_0', 'IN_0_1', 'MISSING', 'OPTIMIZER_CALLBACKS', 'HyperValue', 'FAST_STEP_PLANNERS',
@@ -594,6 +596,7 @@ def _whole(t): return t.full_tensor() if _sharded(t) else t
 def _shard_like(t, like):
     "This process's rows of the whole tensor `t`, cut as the sharded parameter `like` is (others as they are)."
     if not torch.is_tensor(t) or t.shape != like.shape: return t
+    from torch.distributed.tensor import distribute_tensor
     return distribute_tensor(t, like.device_mesh, like.placements, src_data_rank=None)
 
 @patch

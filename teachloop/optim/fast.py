@@ -14,10 +14,7 @@ from fastcore.basics import patch
 
 import torch
 
-try: from torch.distributed.tensor import DTensor
-except ImportError: DTensor = ()  # a torch built without torch.distributed has no sharded parameters
-
-from .core import (add_fast_step_planner, adam_step, average_grad, average_sqr_grad, callback_facts,
+from .core import (_sharded, add_fast_step_planner, adam_step, average_grad, average_sqr_grad, callback_facts,
                                  debias, declare_callback, l2_reg, momentum_step, rms_prop_step, sgd_step, step_stat,
                                  weight_decay)
 from .more import (keep_slow_weights, lamb_step, lars_scale_grad, lion_step, lookahead_step,
@@ -361,7 +358,7 @@ def applies_to(self:FastStep, params, hypers=(), states=()):
     # The fast versions take switches from `partial` and `do_wd` from the state; a switch set on the group
     # overrides both for the callbacks, so such a group runs the callbacks.
     if self.switches.intersection(hypers): return False
-    if any(isinstance(p, DTensor) for p in params): return False  # shards (FSDP2): the callbacks step them, notebook 15
+    if any(map(_sharded, params)): return False  # shards (FSDP2): the callbacks step them, notebook 15
     first = params[0]
     if first.device.type not in ('cpu', 'cuda') or not first.is_floating_point() or first.is_complex(): return False
     device, dtype = first.device, first.dtype

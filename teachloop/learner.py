@@ -730,17 +730,6 @@ def loss_decodes(loss_func):
     "What turns probabilities for `loss_func` into answers: the most probable class, each label above 1/2 (or nothing)."
     return getattr(loss_func, 'decodes', None) or _known(loss_func, 3)
 
-@patch
-def _warn_raw_outputs(self:Learner):
-    "Once per learner and loss: the loss's activation is unknown, the predictions are raw outputs."
-    loss_func = self.loss_func
-    if getattr(self, '_raw_outputs_told', None) is loss_func: return
-    self._raw_outputs_told = loss_func
-    name = getattr(loss_func, '__name__', type(loss_func).__name__)
-    warnings.warn(f"get_preds does not know the activation of the loss {name}: the predictions are the model's raw "
-                  "outputs. Pass `act=` (e.g. `act=softmax_over_classes` for a classifier, `act=lambda out: out` to keep "
-                  "them as they are), or give the loss an `activation` attribute, as fastai's losses have", stacklevel=3)
-
 # %% ../nbs/04_learner.ipynb #c027b
 @patch
 def get_preds(self:Learner,
@@ -1487,6 +1476,18 @@ def _batch_of_one(learn, item):
         inputs = inputs[:learn.n_inp]  # the item of a data set: its targets after the inputs
     device = next(learn.model.parameters(), torch.empty(0)).device
     return _InputsOnly(_map_tensors(lambda t: t[None].to(device), x) for x in inputs)
+
+# %% ../nbs/04_learner.ipynb #h25d2
+@patch
+def _warn_raw_outputs(self:Learner):
+    "Once per learner and loss: the loss's activation is unknown, the predictions are raw outputs."
+    loss_func = self.loss_func
+    if getattr(self, '_raw_outputs_told', None) is loss_func: return
+    self._raw_outputs_told = loss_func
+    name = getattr(loss_func, '__name__', type(loss_func).__name__)
+    warnings.warn(f"get_preds does not know the activation of the loss {name}: the predictions are the model's raw "
+                  "outputs. Pass `act=` (e.g. `act=softmax_over_classes` for a classifier, `act=lambda out: out` to keep "
+                  "them as they are), or give the loss an `activation` attribute, as fastai's losses have", stacklevel=3)
 
 # %% ../nbs/04_learner.ipynb #h25f
 from .optim.interop import OptimWrapper

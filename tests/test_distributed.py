@@ -575,3 +575,70 @@ def test_global_batch_norm_on_two_halves_is_batch_norm_on_the_whole_batch():
     for name, a, b in zip(('output', 'input grad', 'weight grad', 'bias grad', 'running mean', 'running var'), ours, theirs):
         # float64 on values of order 1-10: the sums of squares lose a few digits to the mean's square, nowhere near 1e-12
         assert (a - b).abs().max() < 1e-12, name
+
+
+# ---- each rank its shards (FSDP2): checkpoints, accumulation and clipping
+
+def sharded_fit_and_report(learn, **kwargs):
+    from teachloop.callback.distributed import gathered
+    with learn.distributed(strategy='fsdp'): learn.fit_one_cycle(2, 0.1, **kwargs)
+    return {'weights': {k: gathered(v).clone() for k, v in learn.model.state_dict().items()},
+            'rows': [row[:4] for row in learn.recorder.values], 'losses': learn.recorder.losses}
+
+
+def sharded_interrupted_and_resumed(folder):
+    "FSDP2: a fit never stopped; one stopped by a Ctrl-C in rank 1 at step 30; fits resumed from its file and the first epoch's."
+    whole = sharded_fit_and_report(digits_learner_fp32(Checkpoint(folder / 'whole')))
+    learn = digits_learner_fp32(Checkpoint(folder / 'cut'))
+    try: sharded_fit_and_report(learn, cbs=[CtrlC(1, 30, 'after_loss')])
+    except KeyboardInterrupt: stopped_at = learn.train_iter
+    else: raise AssertionError("the Ctrl-C did not stop the fit")
+    dist.barrier()
+    saved = torch.load(folder / 'cut' / 'interrupted.pt', weights_only=True)
+    local = {k: v.to_local().shape for k, v in learn.model.state_dict().items()}
+    from_ctrl_c = sharded_fit_and_report(digits_learner_fp32(Checkpoint(folder / 'again')),
+                                         resume=folder / 'cut' / 'interrupted.pt')
+    from_epoch = sharded_fit_and_report(digits_learner_fp32(Checkpoint(folder / 'epoch')),
+                                        resume=folder / 'cut' / 'epoch-001.pt')
+    return whole, from_ctrl_c, from_epoch, stopped_at, {k: v.shape for k, v in saved['model'].items()}, local
+
+
+@pytest.mark.slow
+def test_sharded_checkpoints_hold_the_whole_model_and_resume_exactly(tmp_path):
+    ranks = run_ranks(sharded_interrupted_and_resumed, tmp_path, **FORK)
+    assert ranks[0][3] == ranks[1][3] == 31
+    whole_shapes, local_shapes = ranks[0][4], ranks[0][5]
+    # the file holds each parameter whole, and each rank trains on its rows only (the first dimension cut in two)
+    assert whole_shapes['0.0.weight'] == (16, 1, 3, 3) and local_shapes['0.0.weight'] == (8, 1, 3, 3)
+    for whole, *resumed in (rank[:3] for rank in ranks):
+        for fit in resumed:
+            assert all(torch.equal(fit['weights'][k], w) for k, w in whole['weights'].items())
+            assert fit['rows'] == whole['rows'] and fit['losses'] == whole['losses']
+
+
+def accumulated_and_clipped(strategy, bs):
+    "The float64 digits CNN, steps of 64 samples in batches of `bs` per rank, gradients clipped to norm 0.5."
+    from teachloop.callback.core import GradientAccumulation
+    from teachloop.callback.distributed import gathered
+    from teachloop.callback.faults import GradientClipping
+    set_seed(0)
+    x, y = load_digits_tensors()
+    class Steps(Callback):
+        taken = 0
+        def after_step(self): self.taken += 1
+    steps = Steps()
+    learn = Learner(tensor_dls(x.double(), y, bs=bs), digits_cnn().double(), torch.nn.functional.cross_entropy,
+                    opt_func=SGD_MOM, lr=0.1, cbs=[GradientAccumulation(64), GradientClipping(0.5), steps])
+    learn.progress.show_bar = learn.progress.print_rows = False
+    with learn.distributed(strategy=strategy): learn.fit(1)
+    return [gathered(p.detach()).clone() for p in learn.model.parameters()], steps.taken
+
+
+def test_sharded_accumulation_and_clipping_equal_one_process_with_the_global_batch():
+    "Two ranks of 16 items a batch, FSDP2, a step every 2 batches, clipped by the global norm: one process of 32 a batch."
+    ranks = run_ranks(accumulated_and_clipped, 'fsdp', 16, **FORK)
+    alone, steps = accumulated_and_clipped('ddp', 32)  # a world of one: the items in the order the two ranks share
+    assert ranks[0][1] == steps and steps > 10
+    # float64: the shards' gradients are reduce-scattered, summed in another order than one batch's (1e-16 a step)
+    assert max((a - b).abs().max().item() for a, b in zip(ranks[0][0], alone)) <= 1e-12
+    assert all(torch.equal(a, b) for a, b in zip(ranks[0][0], ranks[1][0]))

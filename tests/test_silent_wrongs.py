@@ -1,5 +1,6 @@
-"""Three answers that used to be wrong without a word: accuracy on one output per item, the weights a fit under
-`SaveModel` ends with, and the direction of scikit-learn's negated scores."""
+"""Answers that used to be wrong without a word: accuracy on one output per item, the weights a fit under `SaveModel`
+ends with, the direction of scikit-learn's negated scores, and the rate of a plain fit after a one-cycle; and the
+learner's callbacks missing from `dir(learn)`."""
 import math
 
 import pytest
@@ -131,3 +132,27 @@ def test_no_scikit_learn_scorer_is_read_as_lower_is_better():
         except ValueError: return 'asks for mode'
     said = {name: judged(name) for name in get_scorer_names()}
     assert 'min' not in said.values() and sum(mode == 'max' for mode in said.values()) > 40
+
+
+class Rates(Callback):
+    "The first group's learning rate at each training batch."
+    def __init__(self): self.seen = []
+    def before_batch(self):
+        if self.learn.training: self.seen.append(self.learn.opt.param_groups[0]['lr'])
+
+
+def test_a_plain_fit_after_a_one_cycle_trains_at_the_learners_rate():
+    "fastai's fit uses learn.lr: not the one-cycle's last rate (its max / 1e5 / 25, where nothing moves)."
+    learn = quiet(tiny_learner(lr=0.05))
+    learn.fit_one_cycle(1, 0.1)
+    assert learn.opt.param_groups[0]['lr'] <= 1e-6  # where the schedule left the optimizer
+    rates = Rates()
+    learn.fit(1, cbs=[rates])
+    assert rates.seen and set(rates.seen) == {0.05}
+    learn.fit(1, 0.2, cbs=[rates])  # a rate given to fit is this fit's
+    assert rates.seen[-1] == 0.2
+
+
+def test_the_learners_callbacks_are_in_dir_for_tab_completion():
+    learn = tiny_learner(default_cbs=True)
+    assert {'recorder', 'progress', 'train_eval'} <= set(dir(learn)) and 'fit' in dir(learn)

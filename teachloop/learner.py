@@ -25,7 +25,7 @@ from torch import nn
 
 from .core import InterruptGate, atomic_save, check_count, check_save_path, process_count, process_rank
 from .data import DataLoaders
-from .optim.core import Adam, HyperValue, Optimizer, check_hyper
+from .optim.core import Adam, HyperValue, Optimizer, _sharded, check_hyper
 from .random_state import (loader_generators, rng_readers, rng_states, same_state, saveable_rng,
                                     set_rng_states, set_seed)
 
@@ -34,11 +34,12 @@ __all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', '
            'REGRESSION_LOSSES', 'COMPILED_PREFIX', 'PAD_OPTIONS', 'CancelBatchException', 'CancelBackwardException',
            'CancelStepException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
            'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'set_optimizer_mode',
-           'TrainEvalCallback', 'add_default_callbacks', 'OneProcess', 'FitState', 'TrainingStep', 'StepSetting',
-           'default_splitter', 'Learner', 'callback_list', 'GatherPreds', 'softmax_over_classes', 'most_probable_class',
-           'above_half', 'activation_known', 'loss_activation', 'loss_decodes', 'clip_gradients', 'loader_length',
-           'SkipBatches', 'epoch_seeded', 'HyperParameterClash', 'check_fit_args', 'state_for', 'check_state_matches',
-           'optimizer_with_state', 'restore_training_state', 'check_pad', 'EventLog']
+           'TrainEvalCallback', 'add_default_callbacks', 'OneProcess', 'gathered', 'FitState', 'TrainingStep',
+           'StepSetting', 'default_splitter', 'Learner', 'callback_list', 'GatherPreds', 'softmax_over_classes',
+           'most_probable_class', 'above_half', 'activation_known', 'loss_activation', 'loss_decodes', 'clip_gradients',
+           'loader_length', 'SkipBatches', 'epoch_seeded', 'batch_shape', 'HyperParameterClash', 'check_fit_args',
+           'sharded_like', 'shards_of', 'opt_shards_of', 'state_for', 'check_state_matches', 'optimizer_with_state',
+           'restore_training_state', 'check_pad', 'whole_tensor', 'rows_through_host', 'EventLog']
 
 # %% ../nbs/04_learner.ipynb #c004
 class CancelBatchException(Exception):
@@ -193,8 +194,16 @@ class OneProcess:
     def sum(self, tensor): return tensor
     def any(self, flag): return bool(flag)
     def gather(self, value): return [value]
+    def whole_set(self, dl, *kept): return kept  # what each batch of `dl` gave: all there is
 
 ONE_PROCESS = OneProcess()
+
+def gathered(value):
+    "`value` (a state dict, nested) with each sharded tensor gathered whole (every rank calls it: it is a collective)."
+    if _sharded(value): return whole_tensor(value)  # under the hood
+    if isinstance(value, dict): return {k: gathered(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)): return type(value)(gathered(v) for v in value)
+    return value
 
 # %% ../nbs/04_learner.ipynb #fs02
 class FitState:
@@ -751,6 +760,9 @@ def get_preds(self:Learner,
     check_pad(pad)
     gather = GatherPreds(with_input)
     with self.exclusive('get_preds'), self.added_cbs([gather]): self._evaluate(dl)
+    # with several processes, each predicted its shard of the validation set: all of it, in order (notebook 15)
+    gather.preds, gather.targets, gather.inputs = self.processes.whole_set(
+        dl if dl is not None else self.dls.valid, gather.preds, gather.targets, gather.inputs)
     if act is None and not activation_known(self.loss_func): self._warn_raw_outputs()
     joined = lambda chunks: _gathered(chunks, pad)  # `_gathered`: under the hood
     preds = (act or loss_activation(self.loss_func))(joined(gather.preds))
@@ -783,10 +795,11 @@ _whole_item_note = ("(predict gives the model every part of a tuple item; an ite
 # %% ../nbs/04_learner.ipynb #c028
 @patch
 def save(self:Learner, path: os.PathLike | str, with_opt: bool = True) -> os.PathLike | str:
-    "Save the model (and optimizer) state to `path`, atomically."
+    "Save the model (and optimizer) state to `path`, atomically: by rank 0 of several processes (each calls it if sharded)."
     obj = {'model': self.model.state_dict()}
     if with_opt and self.opt is not None: obj['opt'] = self.opt.state_dict()
-    atomic_save(obj, path)
+    obj = gathered(obj)  # a model sharded between processes (FSDP2, notebook 15): whole, each process calls `save`
+    if process_rank() == 0: atomic_save(obj, path)  # with several processes, the first writes the file
     return path
 
 @patch
@@ -801,8 +814,8 @@ def load(self:Learner, path: os.PathLike | str, with_opt: bool = True) -> Learne
     with self.exclusive('load'):
         if with_opt and 'opt' in obj:
             if self.opt is None: self.create_opt()
-            self.opt.load_state_dict(obj['opt'])
-        self.model.load_state_dict(state_for(self.model, obj['model']))
+            self.opt.load_state_dict(opt_shards_of(self.opt, obj['opt']))  # a sharded model's: cut (under the hood)
+        self.model.load_state_dict(shards_of(self.model, state_for(self.model, obj['model'])))
     return self
 
 # %% ../nbs/04_learner.ipynb #stu02
@@ -1081,7 +1094,11 @@ def state_dict(self:FitState, learn, rng=None, every_rank=True):
             'callbacks': callbacks, 'observers': [cb.name for cb in learn.cbs if cb.name in callbacks and cb.observes],
             'undeclared': {cb.name: _plain_attributes(cb) for cb in learn.cbs if _keeps_undeclared_state(cb)},
             'rng': [r for r, _ in ranks], 'epoch_start_rng': [s for _, s in ranks] if mid_epoch else None,
-            'loaders': loaders, 'progress': self.progress()}
+            'loaders': loaders, 'progress': self.progress(), 'batch': batch_shape(learn.dls.train)}
+
+def batch_shape(dl):
+    "The training batches a checkpoint is written with: how many processes draw one each, of how many items (None: unknown)."
+    return {'processes': process_count(), 'batch_size': getattr(dl, 'batch_size', None)}
 
 @patch
 def load_state_dict(self:FitState, learn, state):
@@ -1335,6 +1352,23 @@ def release(self:Learner, thread: threading.Thread) -> None:
 # %% ../nbs/04_learner.ipynb #u10
 COMPILED_PREFIX = '_orig_mod.'  # torch.compile keeps the model it wraps as `_orig_mod`: its weights' names start so
 
+def sharded_like(value, like):
+    "`value` (a whole tensor) cut as the DTensor `like` is, or `value` itself when `like` is not sharded."
+    if not _sharded(like) or _sharded(value) or value.shape != like.shape: return value
+    from torch.distributed.tensor import distribute_tensor
+    return distribute_tensor(value.to(like.device, like.dtype), like.device_mesh, like.placements)
+
+def shards_of(model, state):
+    "A model's `state` (whole tensors) cut as `model`'s sharded ones are (FSDP2, notebook 15); else `state` itself."
+    own = model.state_dict()
+    return {k: sharded_like(v, own[k]) if k in own else v for k, v in state.items()}
+
+def opt_shards_of(opt, state):
+    "An optimizer's `state` (whole tensors) cut as the parameters of `opt` are, where they are sharded."
+    params = [p for group in opt.param_groups for p in group['params']]
+    cut = {i: {k: sharded_like(v, params[i]) if torch.is_tensor(v) else v for k, v in s.items()} for i, s in state['state'].items()}
+    return {**state, 'state': cut}
+
 def state_for(model, state):
     "`state` with the names `model` gives its weights, where they differ only by torch.compile's `_orig_mod.`, either way."
     own = {k.replace(COMPILED_PREFIX, ''): k for k in model.state_dict()}
@@ -1366,7 +1400,7 @@ def restore_training_state(learn, model_state, opt_state):
     "Load weights and, into a new optimizer, `opt_state`; both are checked first, so a mismatch changes nothing."
     check_state_matches(learn.model, model_state)
     opt = optimizer_with_state(learn, opt_state)
-    learn.model.load_state_dict(state_for(learn.model, model_state))
+    learn.model.load_state_dict(shards_of(learn.model, state_for(learn.model, model_state)))
     learn.opt = opt
 
 # %% ../nbs/04_learner.ipynb #h25b
@@ -1478,6 +1512,21 @@ def _batch_of_one(learn, item):
     return _InputsOnly(_map_tensors(lambda t: t[None].to(device), x) for x in inputs)
 
 # %% ../nbs/04_learner.ipynb #h25d2
+def whole_tensor(dtensor):
+    "The whole of a sharded tensor, in every process."
+    mesh = dtensor.device_mesh
+    # gloo's functional all-gather of GPU tensors crashed (torch 2.11): FSDP2's rows go through the host instead
+    if (dtensor.device.type != 'cpu' and torch.distributed.get_backend(mesh.get_group()) == 'gloo' and mesh.ndim == 1
+        and dtensor.placements[0].is_shard(0)): return rows_through_host(dtensor)
+    return dtensor.full_tensor()
+
+def rows_through_host(dtensor):
+    "A tensor cut into rows between the processes of a 1-d mesh (FSDP2's cut), whole: its rows sent through the host."
+    group = dtensor.device_mesh.get_group()
+    shards = [None] * torch.distributed.get_world_size(group)
+    torch.distributed.all_gather_object(shards, dtensor.to_local().cpu(), group=group)
+    return torch.cat(shards).to(dtensor.device)
+
 @patch
 def _warn_raw_outputs(self:Learner):
     "Once per learner and loss: the loss's activation is unknown, the predictions are raw outputs."

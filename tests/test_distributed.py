@@ -170,13 +170,14 @@ def test_a_ctrl_c_flag_sent_through_the_hosts_group_stops_at_the_same_step():
 
 def save_the_best_on_two_ranks(folder):
     "Each rank's `save` calls under SaveModel, its validation losses, and the saved file read right after the epoch's save."
+    import teachloop.callback.tracker as tracker
     learn = digits_learner_fp32(SaveModel('valid_loss', 'min', folder / 'best.pt'))
     saves, read = [], []
-    plain_save = learn.save
+    plain_save = tracker.atomic_save
     def save(*args, **kwargs):
         saves.append(learn.epoch)
         return plain_save(*args, **kwargs)
-    learn.save = save
+    tracker.atomic_save = save
     class ReadBack(Callback):
         order = SaveModel.order + 1  # right after SaveModel: the file must be whole in every rank by then
         def after_epoch(self):
@@ -642,3 +643,155 @@ def test_sharded_accumulation_and_clipping_equal_one_process_with_the_global_bat
     # float64: the shards' gradients are reduce-scattered, summed in another order than one batch's (1e-16 a step)
     assert max((a - b).abs().max().item() for a, b in zip(ranks[0][0], alone)) <= 1e-12
     assert all(torch.equal(a, b) for a, b in zip(ranks[0][0], ranks[1][0]))
+
+
+# ---- the whole set in the block, data sets of other lengths, per-rank seeds, another global batch
+
+def float64_learner(n_train=192, n_valid=11, bs=16):
+    "The digits CNN in float64 on `n_train` training items and an odd number of validation items (an uneven last shard)."
+    set_seed(0)
+    x, y = load_digits_tensors()
+    dls = DataLoaders(DataLoader(TensorDataset(x[:n_train].double(), y[:n_train]), batch_size=bs, shuffle=True,
+                                 generator=torch.Generator().manual_seed(0)),
+                      DataLoader(TensorDataset(x[-n_valid:].double(), y[-n_valid:]), batch_size=4))
+    learn = Learner(dls, digits_cnn().double(), torch.nn.functional.cross_entropy, opt_func=SGD_MOM, lr=0.1,
+                    metrics=[accuracy])
+    learn.progress.show_bar = learn.progress.print_rows = False
+    return learn
+
+
+def predictions_in_and_after_the_block():
+    learn = float64_learner()
+    with learn.distributed():
+        learn.fit(1)
+        inside = learn.get_preds(with_input=True, with_decoded=True), learn.validate()
+    return inside, (learn.get_preds(with_input=True, with_decoded=True), learn.validate())
+
+
+@pytest.mark.numeric
+def test_get_preds_and_validate_in_the_block_give_the_whole_set_in_order():
+    "Before, each rank got its shard's predictions (6 and 5 of 11 items), silently."
+    for (preds, valid), (alone, valid_alone) in run_ranks(predictions_in_and_after_the_block, **FORK):
+        inputs, probs, targets, decoded = preds
+        assert len(probs) == 11 and torch.equal(inputs, alone[0]) and torch.equal(targets, alone[2])
+        assert torch.equal(decoded, alone[3])
+        # float64: the same weights on every item, in batches of other items (the sums' order differs at most)
+        assert (probs - alone[1]).abs().max() < 1e-12
+        assert all(math.isclose(a, b, rel_tol=1e-12) for a, b in zip(valid, valid_alone))
+
+
+def fit_on_data_of_another_length(lengths):
+    learn = float64_learner(n_train=lengths[process_rank()])
+    weights = [p.clone() for p in learn.model.parameters()]
+    own, cbs = learn.dls, list(learn.cbs)
+    try:
+        with learn.distributed(): learn.fit(1)
+    except ValueError as e:
+        untouched = all(torch.equal(a, b) for a, b in zip(weights, learn.model.parameters()))
+        return str(e), untouched and learn.dls is own and learn.cbs == cbs
+    return None, None
+
+
+@pytest.mark.parametrize('lengths', [(192, 190), (192, 120)])
+def test_ranks_with_data_sets_of_other_lengths_are_refused_when_the_block_starts(lengths):
+    "Before: 192 and 190 items trained on silently with other losses per rank; 192 and 120 ended in a C++ abort."
+    for message, untouched in run_ranks(fit_on_data_of_another_length, lengths, **FORK):
+        assert f"training sets differ in length (rank 0: {lengths[0]}, rank 1: {lengths[1]})" in message
+        assert untouched
+
+
+def draws_with_rank_seeds(rank_seed):
+    set_seed(0)
+    learn = float64_learner()
+    with learn.distributed(rank_seed=rank_seed): inside = torch.rand(4)
+    return inside
+
+
+def test_rank_seed_gives_each_rank_its_own_random_numbers():
+    "As Accelerate's device_specific seeds: the same seed plus the rank (dropout masks differ between the shards)."
+    apart = run_ranks(draws_with_rank_seeds, 7, **FORK)
+    for rank, drawn in enumerate(apart):
+        set_seed(7 + rank)
+        assert torch.equal(drawn, torch.rand(4))
+    assert not torch.equal(apart[0], apart[1])
+    same = run_ranks(draws_with_rank_seeds, None, **FORK)
+    assert torch.equal(same[0], same[1])  # by default the ranks' streams are left as they were (seeded alike here)
+    with pytest.raises(ValueError, match='rank_seed must be a whole number >= 0'):
+        with float64_learner().distributed(rank_seed=-1): pass
+
+
+def interrupted_mid_epoch(folder):
+    learn = float64_learner(bs=8)  # 12 batches an epoch in each rank
+    learn.add_cbs([Checkpoint(folder)])
+    with learn.distributed():
+        try: learn.fit(2, cbs=[CtrlC(1, 3, 'after_loss')])
+        except KeyboardInterrupt: return learn.train_iter
+    raise AssertionError("the Ctrl-C did not stop the fit")
+
+
+def test_a_mid_epoch_resume_with_another_global_batch_is_refused_before_anything_is_loaded(tmp_path):
+    "Before: 2 processes of 8 resumed by one of 8 trained on silently, on other items."
+    assert run_ranks(interrupted_mid_epoch, tmp_path, **FORK) == [8, 8]  # the ranks agree on the Ctrl-C at step 8
+    path = tmp_path / 'interrupted.pt'
+    learn = float64_learner(bs=8)
+    weights = [p.clone() for p in learn.model.parameters()]
+    with pytest.raises(ValueError) as refused: learn.fit(2, resume=path)
+    message = str(refused.value)
+    assert ('written in epoch 0 after 8 batches, by 2 processes with batches of 8 (a global batch of 16); this fit has '
+            '1 process with batches of 8 (a global batch of 8)') in message and "latest.pt" in message
+    assert all(torch.equal(a, b) for a, b in zip(weights, learn.model.parameters())) and not learn.recorder.values
+    # the same global batch in one process goes on
+    learn = float64_learner(bs=16)
+    with pytest.warns(UserWarning, match='random states of 2 processes'): learn.fit(2, resume=path)
+    assert len(learn.recorder.values) == 2
+
+
+def save_and_export_in_the_block(folder, strategy):
+    "In the block: `learn.save` and `learn.export` from every rank; how many times this rank traced and wrote a program."
+    import teachloop.inference as inference
+    from teachloop.learner import gathered
+    traced, trace_and_write = [], inference.trace_and_write
+    inference.trace_and_write = lambda *args: traced.append(1) or trace_and_write(*args)
+    learn = float64_learner()
+    learn.add_cbs([SaveModel('valid_loss', 'min', folder / f'{strategy}-best.pt')])  # and loads the best at the end
+    with learn.distributed(strategy=strategy):
+        learn.fit(1)
+        learn.save(folder / f'{strategy}.pt')
+        whole = {k: gathered(v).clone() for k, v in learn.model.state_dict().items()}
+        try: refused = str(learn.export(folder / f'{strategy}.pt2')) and None
+        except ValueError as e: refused = str(e)
+    return len(traced), whole, refused
+
+
+@pytest.mark.parametrize('strategy', ['ddp', 'fsdp'])
+def test_save_and_export_in_the_block_write_the_whole_model_once(tmp_path, strategy):
+    "Before, every rank wrote the export; under FSDP2 `learn.save` and SaveModel wrote rank 0's shards alone."
+    from teachloop.inference import load_learner
+    (traced0, whole, refused0), (traced1, _, refused1) = run_ranks(save_and_export_in_the_block, tmp_path, strategy, **FORK)
+    for name in (f'{strategy}.pt', f'{strategy}-best.pt'):  # one epoch: the best weights are the last
+        saved = torch.load(tmp_path / name, weights_only=True)['model']
+        assert saved['0.0.weight'].shape == (16, 1, 3, 3) and all(torch.equal(saved[k], w) for k, w in whole.items())
+    learn = float64_learner()
+    learn.load(tmp_path / f'{strategy}.pt')  # the whole model, in one process
+    if strategy == 'ddp':
+        assert (traced0, traced1, refused0, refused1) == (1, 0, None, None)  # rank 0 traced and wrote; rank 1 waited
+        x = learn.dls.valid.dataset.tensors[0]
+        assert torch.equal(load_learner(tmp_path / 'ddp.pt2').model(x), learn.model.eval()(x))
+    else:
+        assert 'sharded between the processes (FSDP2)' in refused0 and refused0 == refused1 and traced0 == traced1 == 0
+        assert not (tmp_path / 'fsdp.pt2').exists()
+
+
+def rows_gathered_both_ways():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from teachloop.learner import rows_through_host
+    whole = torch.arange(15, dtype=torch.float64).reshape(5, 3)  # 5 rows: 3 on rank 0, 2 on rank 1
+    rows = distribute_tensor(whole, init_device_mesh('cpu', (2,)), [Shard(0)])
+    return rows.to_local().shape, rows_through_host(rows), rows.full_tensor()
+
+
+def test_rows_sent_through_the_host_make_the_whole_tensor_as_dtensors_all_gather():
+    "The way gloo gathers GPU shards (its functional all-gather crashed there), checked on the CPU against DTensor's own."
+    for (local, through_host, full), rows in zip(run_ranks(rows_gathered_both_ways, **FORK), (3, 2)):
+        assert local == (rows, 3) and torch.equal(through_host, full) and torch.equal(full, torch.arange(15.).reshape(5, 3).double())

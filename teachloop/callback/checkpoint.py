@@ -17,7 +17,7 @@ from fastcore.basics import patch
 
 from ..core import (atomic_save, check_count, check_save_folder, check_save_path, process_rank,
                             written_by_rank_zero)
-from ..learner import (Callback, CancelFitException, Learner, StepSetting, check_state_matches,
+from ..learner import (Callback, CancelFitException, Learner, StepSetting, batch_shape, check_state_matches,
                                optimizer_with_state, restore_training_state)
 from ..random_state import loader_generators
 from .schedule import ParamScheduler
@@ -175,6 +175,18 @@ def _not_resumable(progress):
             "Checkpoint callback writes interrupted.pt at the batch's start, and latest.pt at each epoch's end). Its "
             "weights are good: `learn.load_checkpoint(path)` loads them")
 
+def _check_global_batch(learn, state):
+    "Refuse to go on with an epoch under way in batches of another size over all processes: its other items would not follow."
+    saved, now, progress = state.get('batch'), batch_shape(learn.dls.train), state['progress']
+    if saved is None or not progress['batches_done'] or None in (saved['batch_size'], now['batch_size']): return
+    before, after = (s['processes'] * s['batch_size'] for s in (saved, now))
+    if before == after: return  # the same items in each batch of the epoch, however many processes share it
+    said = lambda s: f"{s['processes']} process{'es' * (s['processes'] > 1)} with batches of {s['batch_size']}"
+    raise ValueError(f"this checkpoint was written in epoch {progress['epoch']} after {progress['batches_done']} "
+                     f"batches, by {said(saved)} (a global batch of {before}); this fit has {said(now)} (a global batch "
+                     f"of {after}), whose epoch would go on with other items. Resume with {before} items per step in all "
+                     "(processes times batch size), or from a checkpoint written at an epoch's end (Checkpoint's latest.pt)")
+
 def check_checkpoint_fits(learn, state, n_epoch, cbs=(), path=None):
     "Raise `ValueError` if `fit(n_epoch, cbs=cbs, resume=path)` cannot continue from `state` on `learn`."
     check_state_matches(learn.model, state['model'])
@@ -183,6 +195,7 @@ def check_checkpoint_fits(learn, state, n_epoch, cbs=(), path=None):
     _check_callback_states(state, learn.cbs + list(cbs))
     progress = state['progress']
     if not progress['resumable']: raise ValueError(_not_resumable(progress))
+    _check_global_batch(learn, state)
     if progress['epochs_done'] >= n_epoch:
         raise ValueError(f"the checkpoint has done {progress['epochs_done']} epochs already; resume with "
                          f"fit(n_epoch) where n_epoch > {progress['epochs_done']} (the total, as in the first fit)")

@@ -31,7 +31,8 @@ from ..core import check_count, process_count, process_rank, several_processes
 from ..data import DataLoaders, digits_cnn, load_digits_tensors, tensor_dls
 from .faults import TerminateOnNaN
 from contextlib import nullcontext
-from ..learner import ONE_PROCESS, Callback, CancelFitException, Learner, StepSetting
+from ..learner import (ONE_PROCESS, Callback, CancelFitException, Learner, StepSetting, _map_tensors, gathered,
+                               opt_shards_of, shards_of)
 from .nan_capture import NaNCapture
 from ..optim.core import SGD, _sharded
 from ..random_state import set_seed
@@ -40,8 +41,8 @@ from .schedule import LRFinder, fit_one_cycle  # the import adds `Learner.fit_on
 # %% auto #0
 __all__ = ['STRATEGIES', 'init_distributed', 'all_reduce_demo', 'ShardSampler', 'check_shardable', 'shard_loader', 'shard_dls',
            'sum_over_processes', 'any_process', 'ProcessGroup', 'check_world', 'DistributedTrainer', 'digits_fit',
-           'digits_bn_cnn', 'RanksDisagree', 'is_sharded', 'shard_model', 'drop_gathered', 'gradients_kept_unsharded',
-           'gathered', 'sharded_like', 'DifferentiableSum', 'global_moments', 'GlobalBatchNorm', 'batch_norm_layers',
+           'digits_bn_cnn', 'RanksDisagree', 'check_same_data', 'is_sharded', 'shard_model', 'drop_gathered',
+           'gradients_kept_unsharded', 'DifferentiableSum', 'global_moments', 'GlobalBatchNorm', 'batch_norm_layers',
            'check_batch_norms', 'synced_copy', 'swap_batch_norms', 'PoisonBatch', 'nan_on_one_rank', 'free_port',
            'RankFailed', 'run_ranks']
 
@@ -153,7 +154,6 @@ class ProcessGroup:
         found = [None] * dist.get_world_size(self.group)
         dist.all_gather_object(found, value, group=self.group)
         return found
-
 def check_world():
     "Raise `ValueError` if the environment says several processes train together but this one has not joined them."
     expected = int(os.environ.get('WORLD_SIZE', '1'))
@@ -228,6 +228,7 @@ def distributed(self:Learner,
                 seed=None,  # the seed of the training order; None: the training loader's generator's
                 sync_bn=False,  # BatchNorm layers normalise with the statistics of the global batch, as in one process
                 strategy=None,  # 'ddp' (each rank the whole model) or 'fsdp' (each its shards); None: 'fsdp' if sharded
+                rank_seed=None,  # seed each rank's random numbers with this plus its rank (dropout, augmentation); None: as they are
                ):
     """Within the block, fit as one of the processes of torch.distributed (alone: as a world of 1), each on its shard of the data.
 
@@ -235,16 +236,21 @@ def distributed(self:Learner,
         seed: the seed of the training order; None: the training loader's generator's
         sync_bn: BatchNorm layers normalise with the statistics of the global batch, as in one process
         strategy: 'ddp' (each rank the whole model) or 'fsdp' (each its shards); None: 'fsdp' if sharded
+        rank_seed: seed each rank's random numbers with this plus its rank (dropout, augmentation); None: as they are
     """
     check_world()
+    if rank_seed is not None: check_count('rank_seed', rank_seed, minimum=0)
     strategy = _strategy(self, strategy)  # checked, with the model and the optimizer, before anything changes
+    trainer = DistributedTrainer(sync_bn=sync_bn, strategy=strategy)
+    check_same_data(self.dls, trainer)  # loaders of different lengths would meet the others in different collectives
     # FSDP2's forward passes meet the other ranks: every rank validates on the whole set, in step with the others
     shards = shard_dls(self.dls, process_rank(), process_count(), seed, shard_valid=strategy == 'ddp')
     if sync_bn: check_batch_norms(self.model)
     if strategy == 'fsdp': _shard_learner(self)
+    if rank_seed is not None: set_seed(rank_seed + process_rank())
     own = self.dls
     try:
-        with self.added_cbs([DistributedTrainer(sync_bn=sync_bn, strategy=strategy)]) as (callback,):
+        with self.added_cbs([trainer]) as (callback,):
             self.dls = shards
             try:
                 yield callback
@@ -376,6 +382,44 @@ def restore_batch_norms(self:DistributedTrainer):
         layer.training = getattr(owner, name).training
         setattr(owner, name, layer)
     self._batch_norms, self._synced_kind = [], None
+
+# %% ../../nbs/15_distributed.ipynb #u07b
+@patch
+def whole_set(self:ProcessGroup, dl, *kept):
+    "The lists `kept` (an entry a batch of `dl`) of every rank, in the set's order, if `dl` was shared out between them."
+    if not isinstance(getattr(dl, 'sampler', None), ShardSampler): return kept  # each rank had all of it
+    ranks = self.gather([[item for batch in batches for item in _items(batch)] for batches in kept])
+    return tuple(_interleaved([rank[i] for rank in ranks], dl.sampler.size) for i in range(len(kept)))
+
+def _items(batch):
+    "The items of a batch (tensors, or tuples, lists, dicts or dataclasses of them), each a batch of one, on the CPU."
+    found = []
+    _map_tensors(found.append, batch)
+    if not found: raise ValueError(f"a batch of {type(batch).__name__} holds no tensor: it cannot be split into items")
+    return [_map_tensors(lambda t: t[i:i + 1].cpu(), batch) for i in range(len(found[0]))]
+
+def _interleaved(ranks, size):
+    "Item i of the set from rank i % ranks (`ShardSampler`'s order), each rank's items in order."
+    whole = [None] * size
+    for rank, items in enumerate(ranks):
+        if len(items) != len(whole[rank::len(ranks)]):
+            raise ValueError(f"rank {rank} predicted {len(items)} items of its shard of {len(whole[rank::len(ranks)])} "
+                             "(a batch skipped?): the whole set cannot be put together")
+        whole[rank::len(ranks)] = items
+    return whole
+
+def check_same_data(dls, trainer):
+    "Raise `ValueError` in every rank if the ranks' training or validation sets differ in length (a collective)."
+    if not several_processes(): return
+    mine = [len(dl.dataset) if dl is not None and hasattr(dl.dataset, '__len__') else None for dl in (dls.train, dls.valid)]
+    ranks = ProcessGroup(trainer._host()).gather(mine)
+    for i, name in enumerate(('training', 'validation')):
+        lengths = [rank[i] for rank in ranks]
+        if len(set(lengths)) > 1:
+            raise ValueError(f"the ranks' {name} sets differ in length ({', '.join(f'rank {r}: {n}' for r, n in enumerate(lengths))}"
+                             "): each rank must hold the same data set, which the block shares out between them; with "
+                             "others, they would draw different numbers of batches and wait for each other forever")
+
 
 # %% ../../nbs/15_distributed.ipynb #u09
 @patch
@@ -571,19 +615,6 @@ def gradient_sync(self:DistributedTrainer, due):
     return self._ddp.no_sync() if self.strategy == 'ddp' else gradients_kept_unsharded(self.model)
 
 # %% ../../nbs/15_distributed.ipynb #fs3
-def gathered(value):
-    "`value` (a state dict, nested) with each sharded tensor gathered whole (every rank calls it: it is a collective)."
-    if _sharded(value): return value.full_tensor()
-    if isinstance(value, dict): return {k: gathered(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)): return type(value)(gathered(v) for v in value)
-    return value
-
-def sharded_like(value, like):
-    "`value` (a whole tensor) cut as the DTensor `like` is, or `value` itself when `like` is not sharded."
-    if not _sharded(like) or _sharded(value) or value.shape != like.shape: return value
-    from torch.distributed.tensor import distribute_tensor
-    return distribute_tensor(value.to(like.device, like.dtype), like.device_mesh, like.placements)
-
 @patch
 def gathered_state(self:DistributedTrainer, model_state, opt_state):
     "The model's and the optimizer's states with their shards gathered whole, for a checkpoint."
@@ -594,12 +625,7 @@ def gathered_state(self:DistributedTrainer, model_state, opt_state):
 def sharded_state(self:DistributedTrainer, model_state, opt_state):
     "A checkpoint's whole states cut into this rank's shards, like the sharded model's parameters."
     if self.strategy != 'fsdp': return model_state, opt_state
-    own = self.model.state_dict()
-    model_state = {k: sharded_like(v, own[k]) if k in own else v for k, v in model_state.items()}
-    params = [p for group in self.opt.param_groups for p in group['params']]
-    state = {i: {k: sharded_like(v, params[i]) if torch.is_tensor(v) else v for k, v in s.items()}
-             for i, s in opt_state['state'].items()}
-    return model_state, {**opt_state, 'state': state}
+    return shards_of(self.model, model_state), opt_shards_of(self.opt, opt_state)
 
 # %% ../../nbs/15_distributed.ipynb #c030f
 class DifferentiableSum(torch.autograd.Function):

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 
-from ..core import check_count, check_save_path, written_by_rank_zero
-from ..learner import Callback, CancelFitException
+from ..core import atomic_save, check_count, check_save_path, written_by_rank_zero
+from ..learner import Callback, CancelFitException, gathered
 from .schedule import check_hyper_writers
 
 # %% auto #0
@@ -107,8 +107,9 @@ class SaveModel(TrackerCallback):
     def after_epoch(self):
         super().after_epoch()
         if not self.improved: return  # decided alike in every process: the values are the ones summed over them
-        # the weights are the same in each process: rank 0 writes them
-        written_by_rank_zero(partial(self.learn.save, self.path, with_opt=False), f"the best weights to {self.path}")
+        # the weights are the same in each process (a sharded model's gathered whole, in each): rank 0 writes them
+        weights = {'model': gathered(self.learn.model.state_dict())}  # what `learn.save(path, with_opt=False)` writes
+        written_by_rank_zero(partial(atomic_save, weights, self.path), f"the best weights to {self.path}")
 
     def after_fit(self):
         # every process reads the file rank 0 wrote; no best value yet (no epoch ended, or none was a number): no file

@@ -46,8 +46,9 @@ def installed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp('wheel')
     # a PYTHONPATH holding the checkout would make pip find teachloop installed already in the fresh environment
     env = {k: v for k, v in os.environ.items() if k != 'PYTHONPATH'}
-    subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation', '-q', '-w', str(tmp),
-                    str(ROOT)], check=True, cwd=tmp, env=env)
+    # built with the build requirements as installed (checked against pyproject.toml): no download, no network
+    subprocess.run([sys.executable, '-m', 'pip', 'wheel', '--no-deps', '--no-build-isolation', '--check-build-dependencies',
+                    '-q', '-w', str(tmp), str(ROOT)], check=True, cwd=tmp, env=env)
     wheel, = tmp.glob('teachloop-*.whl')
     env_dir = tmp / 'env'
     venv.EnvBuilder(with_pip=False).create(env_dir)

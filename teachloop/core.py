@@ -16,7 +16,8 @@ import torch
 
 # %% auto #0
 __all__ = ['default_device', 'to_device', 'atomic_write', 'atomic_save', 'check_save_path', 'check_save_folder', 'process_rank',
-           'process_count', 'several_processes', 'written_by_rank_zero', 'InterruptGate', 'check_count', 'check_mode']
+           'process_count', 'several_processes', 'written_by_rank_zero', 'read_by_every_rank', 'InterruptGate',
+           'check_count', 'check_mode']
 
 # %% ../nbs/00a_core.ipynb #c005
 def default_device():
@@ -122,6 +123,27 @@ def written_by_rank_zero(write,  # a function writing a file, run in the process
     if error is not None: raise error
     if news[0] is not None:
         raise RuntimeError(f"the process of rank 0 could not write {what} ({news[0]}); every process stops with it")
+
+def read_by_every_rank(read,  # a function reading a file, run in every process
+                       what,  # what it reads, for the message
+                      ):
+    """`read()` in every process; if it fails in any, a `ValueError` in every one, naming them and the folder to share.
+
+    Args:
+        read: a function reading a file, run in every process
+        what: what it reads, for the message
+    """
+    if not several_processes(): return read()
+    result, error = None, None
+    try: result = read()
+    except Exception as e: error = e
+    news = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(news, None if error is None else f"{type(error).__name__}: {error}")
+    failed = [rank for rank, said in enumerate(news) if said is not None]
+    if not failed: return result
+    raise ValueError(f"rank{'s' * (len(failed) > 1)} {', '.join(map(str, failed))} of {len(news)} could not read {what} "
+                     f"({news[failed[0]]}). Every process reads it: on several machines, the folder it is in must be "
+                     "shared by all of them (a network file system), or the file copied to the same path on each") from error
 
 # %% ../nbs/00a_core.ipynb #c010b
 class InterruptGate:

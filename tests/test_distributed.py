@@ -795,3 +795,71 @@ def test_rows_sent_through_the_host_make_the_whole_tensor_as_dtensors_all_gather
     "The way gloo gathers GPU shards (its functional all-gather crashed there), checked on the CPU against DTensor's own."
     for (local, through_host, full), rows in zip(run_ranks(rows_gathered_both_ways, **FORK), (3, 2)):
         assert local == (rows, 3) and torch.equal(through_host, full) and torch.equal(full, torch.arange(15.).reshape(5, 3).double())
+
+
+NODE_SCRIPT = '''
+import os, sys, torch
+from pathlib import Path
+from teachloop.callback.distributed import digits_fit, init_distributed
+from teachloop.callback.loggers import CSVLogger
+from teachloop.core import default_device
+init_distributed('gloo')
+folder = Path(sys.argv[1])  # this node's own folder: nothing is shared between the nodes
+result = digits_fit(32, 0.1, 1, dtype=torch.float64, cbs=[CSVLogger(folder / 'log.csv')])
+torch.save({'weights': result['weights'], 'values': result['values'], 'device': str(default_device()),
+            **{k: int(os.environ[k]) for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'GROUP_RANK')}}, folder / 'result.pt')
+'''
+
+
+@pytest.mark.slow
+def test_two_nodes_launched_by_torchrun_with_c10d_rendezvous_equal_one_process(tmp_path):
+    "Two launches of `torchrun --nnodes 2` on this host, one process each, meeting through c10d's rendezvous."
+    import subprocess
+    import sys
+    from pathlib import Path
+    from teachloop.callback.distributed import free_port
+    script = tmp_path / 'train.py'
+    script.write_text(NODE_SCRIPT)
+    endpoint, nodes = f'127.0.0.1:{free_port()}', [tmp_path / 'node0', tmp_path / 'node1']
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(Path(__file__).resolve().parents[1])}
+    launches = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nnodes', '2', '--nproc-per-node', '1',
+                                  '--rdzv-backend', 'c10d', '--rdzv-endpoint', endpoint, '--rdzv-id', 'teachloop',
+                                  str(script), str(folder)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True)
+                for folder in nodes if folder.mkdir() is None]
+    outputs = [launch.communicate(timeout=600)[0] for launch in launches]  # a net for a hang, not a measure
+    assert all(launch.returncode == 0 for launch in launches), outputs
+    results = [torch.load(folder / 'result.pt', weights_only=True) for folder in nodes]
+    assert sorted(r['RANK'] for r in results) == [0, 1] and {r['LOCAL_RANK'] for r in results} == {0}
+    assert {r['WORLD_SIZE'] for r in results} == {2} and {r['device'] for r in results} == {'cpu'}
+    first = next(folder for folder, r in zip(nodes, results) if r['RANK'] == 0)
+    assert [sorted(p.name for p in folder.iterdir()) for folder in nodes if folder != first] == [['result.pt']]
+    assert (first / 'log.csv').read_text().count('\n') == 2  # the header and epoch 0: written by global rank 0 only
+    alone = digits_fit(64, 0.1, 1, dtype=torch.float64)
+    for r in results:
+        # float64: the two halves' gradients are summed in another order than one batch's (1e-16 a step)
+        assert max((w - alone['weights'][k]).abs().max().item() for k, w in r['weights'].items()) < 1e-10
+        assert [row[:4] for row in r['values']] == [row[:4] for row in results[0]['values']]  # all but the time
+
+
+def resume_from_a_folder_this_node_lacks(folder):
+    "Rank 0 finds the checkpoint; rank 1's path leads nowhere, as on a second machine that does not share the folder."
+    learn = float64_learner()
+    weights = [p.clone() for p in learn.model.parameters()]
+    path = folder / 'run' / 'latest.pt' if process_rank() == 0 else folder / 'elsewhere' / 'latest.pt'
+    start = time.monotonic()
+    try:
+        with learn.distributed(): learn.fit(2, resume=path)
+    except ValueError as e:
+        return str(e), time.monotonic() - start, all(torch.equal(a, b) for a, b in zip(weights, learn.model.parameters()))
+    return None, None, None
+
+
+def test_a_resume_that_a_rank_cannot_read_is_refused_in_every_rank_naming_the_folder_to_share(tmp_path):
+    "Before: rank 1 failed to read the file while rank 0 went into the fit and died later on a closed connection."
+    learn = float64_learner()
+    learn.add_cbs([Checkpoint(tmp_path / 'run')])
+    learn.fit(1)  # in this process: the checkpoint the ranks resume from
+    for message, seconds, untouched in run_ranks(resume_from_a_folder_this_node_lacks, tmp_path, **FORK):
+        assert message.startswith('rank 1 of 2 could not read the checkpoint') and 'must be shared' in message
+        assert untouched and seconds < 60  # refused before the fit: no collective left waiting

@@ -16,7 +16,7 @@ import torch
 from fastcore.basics import patch
 
 from ..core import (atomic_save, check_count, check_save_folder, check_save_path, process_rank,
-                            written_by_rank_zero)
+                            read_by_every_rank, written_by_rank_zero)
 from ..learner import (Callback, CancelFitException, Learner, StepSetting, batch_shape, check_state_matches,
                                optimizer_with_state, restore_training_state)
 from ..random_state import loader_generators
@@ -240,7 +240,7 @@ class Resume(Callback):
                  n_epoch,  # the fit's number of epochs
                  cbs=(),  # the callbacks added for this fit
                 ):
-        self.state = read_checkpoint(path)
+        self.state = read_by_every_rank(partial(read_checkpoint, path), f"the checkpoint {path}")  # each process
         check_checkpoint_fits(learn, self.state, n_epoch, cbs, path)
 
     def before_fit(self): restore_checkpoint(self.learn, self.state)

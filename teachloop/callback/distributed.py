@@ -42,9 +42,9 @@ from .schedule import LRFinder, fit_one_cycle  # the import adds `Learner.fit_on
 __all__ = ['STRATEGIES', 'init_distributed', 'all_reduce_demo', 'ShardSampler', 'check_shardable', 'shard_loader', 'shard_dls',
            'sum_over_processes', 'any_process', 'ProcessGroup', 'check_world', 'DistributedTrainer', 'digits_fit',
            'digits_bn_cnn', 'RanksDisagree', 'check_same_data', 'is_sharded', 'shard_model', 'drop_gathered',
-           'gradients_kept_unsharded', 'DifferentiableSum', 'global_moments', 'GlobalBatchNorm', 'batch_norm_layers',
-           'check_batch_norms', 'synced_copy', 'swap_batch_norms', 'PoisonBatch', 'nan_on_one_rank', 'free_port',
-           'RankFailed', 'run_ranks']
+           'gradients_kept_unsharded', 'local_bytes', 'bytes_held', 'DifferentiableSum', 'global_moments',
+           'GlobalBatchNorm', 'batch_norm_layers', 'check_batch_norms', 'synced_copy', 'swap_batch_norms',
+           'PoisonBatch', 'nan_on_one_rank', 'free_port', 'RankFailed', 'run_ranks']
 
 # %% ../../nbs/15_distributed.ipynb #c005
 def init_distributed(backend=None,  # 'gloo' (CPUs) or 'nccl' (GPUs); None: nccl when there is a GPU, else gloo
@@ -272,6 +272,7 @@ def digits_fit(bs=32,  # items per batch in each process (the global batch is `b
                seed=0,  # the seed of the weights and the order of the data
                batch_norm=False,  # the CNN with a BatchNorm after each convolution (`digits_bn_cnn`)
                sync_bn=False,  # `learn.distributed(sync_bn=...)`
+               strategy=None,  # `learn.distributed(strategy=...)`: 'ddp' (None) or 'fsdp' (notebook 15a)
               ):
     """Fit the digits CNN as this process's part of a data-parallel run (or alone); return its weights and history.
 
@@ -286,6 +287,7 @@ def digits_fit(bs=32,  # items per batch in each process (the global batch is `b
         seed: the seed of the weights and the order of the data
         batch_norm: the CNN with a BatchNorm after each convolution (`digits_bn_cnn`)
         sync_bn: `learn.distributed(sync_bn=...)`
+        strategy: `learn.distributed(strategy=...)`: 'ddp' (None) or 'fsdp' (notebook 15a)
     """
     x, y = load_digits_tensors()
     set_seed(seed)
@@ -293,11 +295,11 @@ def digits_fit(bs=32,  # items per batch in each process (the global batch is `b
     learn = Learner(tensor_dls(x.to(dtype), y, bs=bs, seed=seed), model.to(dtype),
                     torch.nn.functional.cross_entropy, opt_func=opt_func, lr=lr, metrics=[accuracy])
     learn.progress.show_bar = learn.progress.print_rows = False
-    with learn.distributed(sync_bn=sync_bn):
+    with learn.distributed(sync_bn=sync_bn, strategy=strategy):
         if one_cycle: learn.fit_one_cycle(n_epoch, lr, cbs=list(cbs))
         else: learn.fit(n_epoch, cbs=list(cbs))
-    return {'rank': process_rank(), 'weights': {k: v.detach().cpu() for k, v in learn.model.state_dict().items()},
-            'values': learn.recorder.values, 'losses': learn.recorder.losses}
+    return {'rank': process_rank(), 'weights': {k: gathered(v).detach().cpu() for k, v in learn.model.state_dict().items()},
+            'values': learn.recorder.values, 'losses': learn.recorder.losses, 'held': bytes_held(learn)}
 
 def digits_bn_cnn():
     "The digits CNN with a BatchNorm after each convolution."
@@ -615,6 +617,15 @@ def gradient_sync(self:DistributedTrainer, due):
     return self._ddp.no_sync() if self.strategy == 'ddp' else gradients_kept_unsharded(self.model)
 
 # %% ../../nbs/15_distributed.ipynb #fs3
+def local_bytes(tensors):
+    "The bytes of `tensors` that this process holds: of a sharded one, its shard."
+    return sum((t.to_local() if _sharded(t) else t).numel() * t.element_size() for t in tensors)
+
+def bytes_held(learn):
+    "The bytes of `learn`'s parameters and of its optimizer's state that this process holds."
+    state = [v for s in learn.opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0] if learn.opt else []
+    return {'parameters': local_bytes(learn.model.parameters()), 'optimizer state': local_bytes(state)}
+
 @patch
 def gathered_state(self:DistributedTrainer, model_state, opt_state):
     "The model's and the optimizer's states with their shards gathered whole, for a checkpoint."

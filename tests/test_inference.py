@@ -511,3 +511,28 @@ def test_an_operator_that_starts_like_one_of_torchs_and_goes_on_is_refused(train
         crafted = rewritten(path, tmp_path / f'crafted-{i}.pt2', {'models/model.json': swap})
         with pytest.raises(ValueError, match=re.escape(f"operator {name!r} is not one of torch's")): load_learner(crafted)
     load_learner(path)  # the learner's own file, with those operators whole, loads
+
+
+# ---- the example a program is traced with (tests found missing by mutation testing, tools/mutate.py)
+
+def test_an_example_of_one_item_still_gives_a_program_for_any_batch_size(trained, tmp_path):
+    "Traced on one item alone, torch.export would fix the batch size at 1: the item is doubled for the trace."
+    x = torch.rand(5, 1, 8, 8)
+    learn = load_learner(trained.export(tmp_path / 'one.pt2', example=x[:1]))
+    with torch.no_grad(): expected = trained.model.eval()(x).softmax(dim=1)
+    assert torch.equal(learn.get_preds([(x, torch.zeros(5, dtype=torch.long))])[0], expected)
+
+
+def test_an_example_batch_gives_its_inputs_to_the_trace(tmp_path):
+    "Without `n_inp`, an example of several tensors is split as the learner splits a batch: all but the last are inputs."
+    learn, dl = two_input_learner()
+    learn.n_inp = None
+    image, offset, target = next(iter(dl))
+    inference = load_learner(learn.export(tmp_path / 'two.pt2', example=(image, offset, target)))
+    assert len(inference.facts['inputs']) == 2 and inference.facts['inputs'][1]['shape'] == list(offset.shape[1:])
+
+
+def test_an_inference_learner_runs_no_callback_of_a_fit(trained, tmp_path):
+    "No recorder, no progress bar: predictions only (the model in evaluation mode)."
+    inference = load_learner(trained.export(tmp_path / 'digits.pt2'))
+    assert [type(cb).__name__ for cb in inference.learn.cbs] == ['TrainEvalCallback']

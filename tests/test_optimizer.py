@@ -196,3 +196,70 @@ def test_torchs_momentum_cycling_schedulers_drive_our_optimizers(ours, theirs, f
     opt_a.load_state_dict(opt_a.state_dict())
     opt_a.param_groups[0][name] = (0.7, 0.99) if name == 'betas' else 0.7
     assert opt_a.hypers[0]['mom'] == 0.7
+
+
+# ---- what the optimizer checks and fills in by itself (tests found missing by mutation testing, tools/mutate.py)
+
+def test_rmsprop_at_its_defaults_is_torchs_rmsprop_at_its_defaults():
+    "eps 1e-8 and a square average of 0.99 when none is given: small gradients, where eps weighs, in float64."
+    ours, theirs = (torch.nn.Parameter(torch.linspace(-1, 1, 6, dtype=torch.float64)) for _ in range(2))
+    opt_ours, opt_theirs = RMSProp([ours], lr=1e-2), torch.optim.RMSprop([theirs], lr=1e-2)
+    for step in range(5):
+        for p, opt in ((ours, opt_ours), (theirs, opt_theirs)):
+            p.grad = torch.full_like(p, 1e-7 * (step + 1))
+            opt.step()
+    assert (ours - theirs).abs().max().item() < 1e-15 and (ours - torch.linspace(-1, 1, 6).double()).abs().min() > 1e-4
+
+
+def test_a_parameter_given_twice_is_refused():
+    w, b = torch.nn.Parameter(torch.zeros(2, 3)), torch.nn.Parameter(torch.zeros(2))
+    for params in ([w, b, w], [{'params': [w]}, {'params': [b, w]}]):
+        with pytest.raises(ValueError, match=r'a parameter of shape \(2, 3\) is given to the optimizer twice'):
+            SGD(params, lr=0.1)
+
+
+def test_a_bad_hyper_parameter_in_a_group_is_refused_like_one_for_all():
+    w, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
+    with pytest.raises(ValueError, match='lr'): SGD([{'params': [w]}, {'params': [b], 'lr': -1.}], lr=0.1)
+    with pytest.raises(ValueError, match='eps'): Adam([{'params': [w], 'eps': 0.}], lr=0.1)
+
+
+def test_a_partial_of_a_callback_brings_its_defaults():
+    "An optimizer built from `partial(callback, ...)` still knows the callback's default hyper-parameters."
+    def scaled_step(p, lr, scale, **kwargs): p.data.add_(p.grad, alpha=-lr * scale)
+    scaled_step.defaults = dict(scale=0.5)
+    w = torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    opt = Optimizer([w], [partial(scaled_step)], lr=0.1)
+    w.grad = torch.ones_like(w)
+    opt.step()
+    assert opt.hypers[0]['scale'] == 0.5 and torch.equal(w.detach(), torch.full((3,), 0.95, dtype=torch.float64))
+
+
+def test_a_rule_for_a_hyper_parameter_is_declared_once():
+    "A callback that declares another meaning for `lr` is refused, whatever the new meaning's wording."
+    from teachloop.optim.core import declare_callback
+    def stepper(p, lr, **kwargs): pass
+    for meaning in ('a rate of at least zero', 'zzz: something else'):
+        with pytest.raises(ValueError, match="declares a rule for 'lr' other than the one already declared"):
+            declare_callback(stepper, hypers={'lr': (lambda v: v >= 0, meaning)})
+
+
+def trained_adam(shape):
+    w = torch.nn.Parameter(torch.ones(shape, dtype=torch.float64))
+    opt = Adam([w], lr=0.1)
+    w.grad = torch.arange(w.numel(), dtype=torch.float64).reshape(shape)
+    opt.step()
+    return w, opt
+
+
+def test_a_state_saved_without_the_parameters_shapes_is_checked_against_its_tensors():
+    "As torch saves it (no 'param_shapes'): it loads into a model of the same shapes, and is refused for a transposed one."
+    _, saved = trained_adam((2, 3))
+    state = saved.state_dict()
+    del state['param_shapes']
+    w, same = trained_adam((2, 3))
+    same.load_state_dict(copy.deepcopy(state))
+    assert torch.equal(same.state[w]['grad_avg'], saved.state[next(iter(saved.state))]['grad_avg'])
+    _, transposed = trained_adam((3, 2))
+    with pytest.raises(ValueError, match=r"has shape \(2, 3\) but the parameter has shape \(3, 2\)"):
+        transposed.load_state_dict(copy.deepcopy(state))

@@ -15,30 +15,38 @@ def pytest_report_header(config):
 
 # Tests that share something beyond their process, each group run by one test worker at a time (`--dist loadgroup`):
 # a browser test drives a Jupyter server, its kernel and Chromium (two at once would only slow each other down); a
-# distributed test (test_distributed.py, or marked `ranks`) starts processes that take both cores.
+# distributed test (test_distributed.py, or marked `ranks`) starts processes that take both cores; the installed
+# wheel's tests share one wheel, built once (setuptools builds in the checkout's build/: two builds at once collide).
 XDIST_GROUPS = {'browser': lambda item: marked(item, 'browser') and not marked(item, 'site'),
-                'ranks': lambda item: marked(item, 'ranks') or item.path.name == 'test_distributed.py'}
+                'ranks': lambda item: marked(item, 'ranks') or item.path.name == 'test_distributed.py',
+                'wheel': lambda item: item.path.name == 'test_package.py'}
 
 
 def marked(item, name): return item.get_closest_marker(name) is not None
 
 
-def start_order(item):
+def start_order(item, notebooks_run=True):
     """Where `item` goes in the run: the long ones first (every notebook, the browser tests, the slow tests), so that
-    the short tests fill both workers at the end; the site's check last, once the notebooks it shows have run."""
+    the short tests fill both workers at the end; the site's check last, once the notebooks it shows have run, or, in
+    a run without them (`make test`'s second), first: it is the longest, and the other tests fill the other worker."""
+    if marked(item, 'site'): return 4 if notebooks_run else -1
     for order, name in enumerate(('notebook', 'browser', 'slow')):
-        if marked(item, name) and not marked(item, 'site'): return order
-    return 4 if marked(item, 'site') else 3
+        if marked(item, name): return order
+    return 3
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
+    # before the other plugins (pytest-xdist reads the groups)
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if 'cuda' in item.keywords and not torch.cuda.is_available(): item.add_marker(skip_cuda)
         for group, member in XDIST_GROUPS.items():
             if member(item): item.add_marker(pytest.mark.xdist_group(group))
-    items[:] = sorted(items, key=start_order)  # stable: in file order within each kind
+    yield
+    # after them (`-m` has deselected what does not run)
+    notebooks_run = any(marked(item, 'notebook') for item in items)
+    items[:] = sorted(items, key=lambda item: start_order(item, notebooks_run))  # stable: in file order within each kind
 
 
 @pytest.fixture(autouse=True)

@@ -361,7 +361,7 @@ def test_dynamic_batch_keeps_the_sizes_of_the_example_and_says_so(tmp_path):
         inference.get_preds([torch.randint(0, 20, (5, 9))])
 
 
-@pytest.mark.parametrize('dynamic', ['free', [1], [(2,)], [(0,)], [(1,), (1,)]])
+@pytest.mark.parametrize('dynamic', ['free', [1], [(2,)], [(0,)], [(-1,)], [(1,), (1,)]])
 def test_a_wrong_dynamic_is_refused_before_the_trace(tmp_path, dynamic):
     learn = sequence_learner(Tokens())
     with pytest.raises(ValueError, match=r"dynamic must be 'auto', 'batch', or one list of dimensions per input"):
@@ -536,3 +536,15 @@ def test_an_inference_learner_runs_no_callback_of_a_fit(trained, tmp_path):
     "No recorder, no progress bar: predictions only (the model in evaluation mode)."
     inference = load_learner(trained.export(tmp_path / 'digits.pt2'))
     assert [type(cb).__name__ for cb in inference.learn.cbs] == ['TrainEvalCallback']
+
+
+@pytest.mark.parametrize('facts', [None, {'format': 'teachloop-inference-2', 'kind': 'weights'},
+                                   {'format': 'teachloop-inference', 'kind': 'program'}])
+def test_a_weights_file_whose_facts_are_not_an_exports_is_refused(tmp_path, facts):
+    "A safetensors file of another writer (or of another format or kind) is not loaded, whatever its tensors."
+    import safetensors.torch
+    from teachloop.inference import FACTS_FILE
+    path = tmp_path / 'other.safetensors'
+    metadata = None if facts is None else {FACTS_FILE: json.dumps({**facts, 'model': 'torch.nn.Linear', 'init_args': {}})}
+    path.write_bytes(safetensors.torch.save({'weight': torch.zeros(2, 2)}, metadata=metadata))
+    with pytest.raises(ValueError, match='was not written by `learn.export`'): load_learner(path)

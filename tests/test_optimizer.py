@@ -222,6 +222,19 @@ def test_a_bad_hyper_parameter_in_a_group_is_refused_like_one_for_all():
     w, b = torch.nn.Parameter(torch.zeros(2)), torch.nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match='lr'): SGD([{'params': [w]}, {'params': [b], 'lr': -1.}], lr=0.1)
     with pytest.raises(ValueError, match='eps'): Adam([{'params': [w], 'eps': 0.}], lr=0.1)
+    with pytest.raises(ValueError, match='wd'): SGD([{'params': [w], 'wd': -1.}], lr=0.1)  # a name after 'params' too
+
+
+def test_without_wd_the_optimizers_take_the_plain_step():
+    "No weight decay unless asked: SGD, and an optimizer built from the weight-decay callback, step w - lr * g exactly."
+    from teachloop.optim.core import weight_decay
+    start, g = torch.linspace(-1, 1, 5, dtype=torch.float64), torch.linspace(0.5, 2.5, 5, dtype=torch.float64)
+    for make in (lambda ps: SGD(ps, lr=0.1), lambda ps: Optimizer(ps, [weight_decay, sgd_step], lr=0.1)):
+        w = torch.nn.Parameter(start.clone())
+        opt = make([w])
+        w.grad = g.clone()
+        opt.step()
+        assert opt.hypers[0]['wd'] == 0 and torch.equal(w.detach(), start - 0.1 * g)
 
 
 def test_a_partial_of_a_callback_brings_its_defaults():

@@ -898,3 +898,23 @@ def nan_under_fsdp2(folder):
 
 def test_a_nan_on_one_sharded_rank_stops_both_at_that_step_with_finite_weights(tmp_path):
     assert run_ranks(nan_under_fsdp2, tmp_path, **FORK) == [(5, str(tmp_path / f'nan-capture-rank{r}.pt'), True) for r in (0, 1)]
+
+
+def dashboard_and_trackers(strategy):
+    import numpy as np
+    from teachloop.dashboard.live import TrainingDashboard
+    dashboard, tracker = TrainingDashboard(live=False), EffectiveLRTracker(every=10)
+    learn = digits_learner_fp32(dashboard)
+    with learn.distributed(strategy=strategy): learn.fit(1, cbs=[tracker])
+    effective = [v for h in tracker.history for v in h['effective_lr'].values()]
+    return (dashboard.series['loss'].y.copy(), {k: s.y.copy() for k, s in dashboard.ratio_series.items()},
+            len(tracker.history), all(bool(np.isfinite(v.numpy()).all()) for v in effective), sorted(tracker.history[0]['effective_lr']))
+
+
+def test_the_dashboard_and_the_effective_lr_tracker_watch_a_sharded_fit():
+    "Under FSDP2 they measure what each rank holds (its rows of each layer); before, the dashboard stopped the fit."
+    sharded, whole = (run_ranks(dashboard_and_trackers, strategy, **FORK)[0] for strategy in ('fsdp', 'ddp'))
+    # the losses the dashboard draws are the ranks' means, as under DDP (float32, summed in another order)
+    assert len(sharded[0]) == len(whole[0]) == 23 and max(abs(a - b) / b for a, b in zip(sharded[0], whole[0])) < 1e-5
+    assert sharded[1].keys() == whole[1].keys() and all(len(v) and (v > 0).all() for v in sharded[1].values())
+    assert sharded[2] == whole[2] and sharded[3] and sharded[4] == whole[4]  # every layer's effective lrs, finite

@@ -1366,6 +1366,7 @@ def shards_of(model, state):
 def opt_shards_of(opt, state):
     "An optimizer's `state` (whole tensors) cut as the parameters of `opt` are, where they are sharded."
     params = [p for group in opt.param_groups for p in group['params']]
+    if not any(_sharded(p) for p in params) or not isinstance(state, dict) or 'state' not in state: return state
     cut = {i: {k: sharded_like(v, params[i]) if torch.is_tensor(v) else v for k, v in s.items()} for i, s in state['state'].items()}
     return {**state, 'state': cut}
 

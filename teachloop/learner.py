@@ -953,11 +953,6 @@ class SkipBatches:
         dl: the data loader
         skipped: how many of its first batches to draw and drop
         after_skipping: called once they are drawn, before the first batch is handed on
-
-    Args:
-        dl: the data loader
-        skipped: how many of its first batches to draw and drop
-        after_skipping: called once they are drawn, before the first batch is handed on
     """
     def __init__(self,
                  dl,  # the data loader

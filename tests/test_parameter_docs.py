@@ -5,6 +5,8 @@ import pydoc
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / 'tools'))
 from nbdev_docstrings import add_parameter_docs  # noqa: E402
@@ -57,3 +59,9 @@ def test_the_comments_are_added_under_args_and_nothing_else_changes():
     assert out.replace(out[out.index('"""'):out.index('"""', out.index('"""') + 3) + 3], '"X"') == \
         SOURCE.replace('"Fit, with β and \\\\ a backslash."', '"X"')
     assert add_parameter_docs('def f(:\n') == 'def f(:\n'  # what does not parse is left as it is
+
+
+def test_an_args_section_written_by_hand_beside_the_comments_is_refused():
+    # the export would write a second section under it: the notebook keeps the comments only
+    with pytest.raises(ValueError, match=r"'Twice\.' \(line 3\) has an `Args:` section.*remove the section"):
+        add_parameter_docs('def f(a,  # the a\n      ):\n    """Twice.\n\n    Args:\n        a: the a\n    """\n')

@@ -51,6 +51,10 @@ def _docstring(body):
 def _with_args(node, docs):
     "The docstring literal of `node` (an ast string constant) with an `Args:` section for `docs`."
     indent = ' ' * node.col_offset
+    if any(line.strip() == 'Args:' for line in node.value.splitlines()):
+        raise ValueError(f"the docstring {node.value.splitlines()[0]!r} (line {node.lineno}) has an `Args:` section "
+                         "and comments beside its parameters: keep the comments, remove the section (the export "
+                         "writes it from them)")
     text = node.value.rstrip() + '\n\n' + indent + 'Args:\n'
     text += ''.join(f'{indent}    {name}: {doc}\n' for name, doc in docs.items()) + indent
     return '"""' + text.replace('\\', '\\\\').replace('"""', '\\"\\"\\"') + '"""'

@@ -39,10 +39,6 @@ def checkpoint_state(learn,
     Args:
         rng: the random states to keep; None: those the fit goes on from
         every_rank: with several processes, each gives its random states (all of them call it)
-
-    Args:
-        rng: the random states to keep; None: those the fit goes on from
-        every_rank: with several processes, each gives its random states (all of them call it)
     """
     return {'format': FORMAT, **learn.fit_state.state_dict(learn, rng, every_rank), 'schedules': _schedule_records(learn)}
 
@@ -55,10 +51,6 @@ def save_checkpoint(self:Learner,
 
     Asked for during an epoch's `after_epoch`, it is written once every callback has heard that event. With several
     processes every one of them calls it (each gives its random states), and the process of rank 0 writes.
-
-    Args:
-        path: the file to write
-        rng: the random states to keep; None: those the fit goes on from
 
     Args:
         path: the file to write

@@ -14,6 +14,7 @@ import socket
 import sys
 import time
 import traceback
+import uuid
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -41,10 +42,10 @@ from .schedule import LRFinder, fit_one_cycle  # the import adds `Learner.fit_on
 # %% auto #0
 __all__ = ['STRATEGIES', 'init_distributed', 'all_reduce_demo', 'ShardSampler', 'check_shardable', 'shard_loader', 'shard_dls',
            'sum_over_processes', 'any_process', 'ProcessGroup', 'check_world', 'DistributedTrainer', 'digits_fit',
-           'digits_bn_cnn', 'RanksDisagree', 'check_same_data', 'is_sharded', 'shard_model', 'drop_gathered',
-           'gradients_kept_unsharded', 'local_bytes', 'bytes_held', 'DifferentiableSum', 'global_moments',
-           'GlobalBatchNorm', 'batch_norm_layers', 'check_batch_norms', 'synced_copy', 'swap_batch_norms',
-           'PoisonBatch', 'nan_on_one_rank', 'free_port', 'RankFailed', 'run_ranks']
+           'digits_bn_cnn', 'RanksDisagree', 'check_same_data', 'group_store', 'is_sharded', 'shard_model',
+           'drop_gathered', 'gradients_kept_unsharded', 'local_bytes', 'bytes_held', 'DifferentiableSum',
+           'global_moments', 'GlobalBatchNorm', 'batch_norm_layers', 'check_batch_norms', 'synced_copy',
+           'swap_batch_norms', 'PoisonBatch', 'nan_on_one_rank', 'free_port', 'RankFailed', 'run_ranks']
 
 # %% ../../nbs/15_distributed.ipynb #c005
 def init_distributed(backend=None,  # 'gloo' (CPUs) or 'nccl' (GPUs); None: nccl when there is a GPU, else gloo
@@ -181,7 +182,7 @@ class DistributedTrainer(StepSetting):
         self.strategy = strategy
         self.agree_every, self._ddp, self._quietened, self._joined, self.rank, self.world_size = agree_every, None, [], False, 0, 1
         self.distributed, self._ddp_clean, self._made_host_group, self.processes = False, False, False, ONE_PROCESS
-        self.sync_bn, self._batch_norms, self._synced_kind = sync_bn, [], None
+        self.sync_bn, self._batch_norms, self._synced_kind, self._key = sync_bn, [], None, None
         self._agreed = (signal.SIGINT, None)  # the Ctrl-C that every rank knows of, delivered by the learner's gate
         self._reset_messages()
 
@@ -218,6 +219,7 @@ def _join(self:DistributedTrainer):
     if self.rank != 0: self._quieten()
     if not self.distributed: return
     self.processes = ProcessGroup(self._host())  # `learn.processes`, through the training step
+    self._store = group_store()
 
 def _device_ids(device): return [device.index] if device.type == 'cuda' else None
 
@@ -414,7 +416,8 @@ def check_same_data(dls, trainer):
     "Raise `ValueError` in every rank if the ranks' training or validation sets differ in length (a collective)."
     if not several_processes(): return
     mine = [len(dl.dataset) if dl is not None and hasattr(dl.dataset, '__len__') else None for dl in (dls.train, dls.valid)]
-    ranks = ProcessGroup(trainer._host()).gather(mine)
+    ranks = ProcessGroup(trainer._host()).gather(mine + [uuid.uuid4().hex])
+    trainer._key = f"teachloop/{ranks[0][-1]}"  # the block's own keys in the group's store, rank 0's name for them
     for i, name in enumerate(('training', 'validation')):
         lengths = [rank[i] for rank in ranks]
         if len(set(lengths)) > 1:
@@ -468,6 +471,9 @@ def after_fit(self:DistributedTrainer):
 def cleanup_fit(self:DistributedTrainer):
     self._joined = False  # its processes stay `learn.processes` for what runs after this fit's clean-up
     self._reset_messages()  # a fit ended by an error may leave a message the other ranks will never answer
+    error = self.learn.fit_state.interrupted_by
+    if self.distributed and self.world_size > 1 and isinstance(error, Exception) and self.learn.fit_state.phase is not None:
+        self._after_error(error)  # an error in the fit's loop (not a fit refused in `before_fit`), below
 
 # %% ../../nbs/15_distributed.ipynb #c023
 def _carry_messages(callback, bucket):
@@ -544,6 +550,21 @@ def _flush(self:DistributedTrainer):
     if self._losses:
         self._send()
         self._receive()
+
+# %% ../../nbs/15_distributed.ipynb #u13b
+def group_store():
+    "The key-value store of the default process group (where its processes met), or None where torch does not give it."
+    try: return dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError): return None
+
+@patch
+def _after_error(self:DistributedTrainer, error):
+    "After `error` ended this rank's fit: said in the group's store, the group ended; a note names the rank that raised first."
+    mine = f"rank {self.rank} of {self.world_size} raised {type(error).__name__}: {error}"
+    try: first = self._store.compare_set(f"{self._key}/failed", '', mine).decode()  # the first to write it keeps it
+    except Exception: first = mine  # no store (or rank 0's, which holds it, has ended)
+    if first != mine: error.add_note(f"{first} (the first rank whose fit raised); this rank stopped with it")
+    dist.destroy_process_group()  # the collective the others wait in fails at once
 
 # %% ../../nbs/15_distributed.ipynb #fs2
 STRATEGIES = ('ddp', 'fsdp')
@@ -763,7 +784,8 @@ def _run_rank(rank, world_size, port, backend, timeout, threads, interruptible, 
     except BaseException as e:  # the parent names the rank that failed first, not one that failed because of it
         results.put((rank, 'error', (time.monotonic(), f"{type(e).__name__}: {e}", traceback.format_exc())))
         raise
-    finally: dist.destroy_process_group()
+    finally:
+        if dist.is_initialized(): dist.destroy_process_group()  # (a rank whose fit raised has ended it: below)
     # pickled here: torch's queues would hand tensors over in shared memory, gone once this process has ended
     results.put((rank, 'result', pickle.dumps(result)))
 

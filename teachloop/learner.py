@@ -10,6 +10,7 @@ import difflib
 import itertools
 import os
 import re
+import shutil
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -23,7 +24,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .core import InterruptGate, atomic_save, check_count, check_save_path, process_count, process_rank
+from .core import (InterruptGate, atomic_save, check_count, check_save_path, process_count, process_rank,
+                            several_processes, written_by_rank_zero)
 from .data import DataLoaders
 from .optim.core import Adam, HyperValue, Optimizer, _sharded, check_hyper
 from .random_state import (loader_generators, rng_readers, rng_states, same_state, saveable_rng,
@@ -31,15 +33,17 @@ from .random_state import (loader_generators, rng_readers, rng_states, same_stat
 
 # %% auto #0
 __all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'ONE_PROCESS', 'Splitter', 'LOSS_ACTIVATIONS',
-           'REGRESSION_LOSSES', 'COMPILED_PREFIX', 'PAD_OPTIONS', 'CancelBatchException', 'CancelBackwardException',
-           'CancelStepException', 'CancelTrainException', 'CancelValidException', 'CancelEpochException',
-           'CancelFitException', 'snake_name', 'check_event_names', 'Callback', 'set_optimizer_mode',
-           'TrainEvalCallback', 'add_default_callbacks', 'OneProcess', 'gathered', 'FitState', 'TrainingStep',
-           'StepSetting', 'default_splitter', 'Learner', 'callback_list', 'GatherPreds', 'softmax_over_classes',
-           'most_probable_class', 'above_half', 'activation_known', 'loss_activation', 'loss_decodes', 'clip_gradients',
-           'loader_length', 'SkipBatches', 'epoch_seeded', 'batch_shape', 'HyperParameterClash', 'check_fit_args',
-           'sharded_like', 'shards_of', 'opt_shards_of', 'state_for', 'check_state_matches', 'optimizer_with_state',
-           'restore_training_state', 'check_pad', 'whole_tensor', 'rows_through_host', 'EventLog']
+           'REGRESSION_LOSSES', 'COMPILED_PREFIX', 'SHARDED_STATE_FILE', 'PAD_OPTIONS', 'CancelBatchException',
+           'CancelBackwardException', 'CancelStepException', 'CancelTrainException', 'CancelValidException',
+           'CancelEpochException', 'CancelFitException', 'snake_name', 'check_event_names', 'Callback',
+           'set_optimizer_mode', 'TrainEvalCallback', 'add_default_callbacks', 'OneProcess', 'gathered', 'FitState',
+           'TrainingStep', 'StepSetting', 'default_splitter', 'Learner', 'callback_list', 'GatherPreds',
+           'softmax_over_classes', 'most_probable_class', 'above_half', 'activation_known', 'loss_activation',
+           'loss_decodes', 'clip_gradients', 'loader_length', 'SkipBatches', 'epoch_seeded', 'batch_shape',
+           'HyperParameterClash', 'check_fit_args', 'sharded_like', 'shards_of', 'opt_shards_of', 'state_for',
+           'check_state_matches', 'new_optimizer', 'optimizer_with_state', 'restore_training_state', 'saved_file',
+           'remove_saved', 'save_in_shards', 'load_shards', 'in_shards', 'empty_to_load', 'tensors_to_load',
+           'load_in_shards', 'check_pad', 'whole_tensor', 'rows_through_host', 'EventLog']
 
 # %% ../nbs/04_learner.ipynb #c004
 class CancelBatchException(Exception):
@@ -794,8 +798,19 @@ _whole_item_note = ("(predict gives the model every part of a tuple item; an ite
 
 # %% ../nbs/04_learner.ipynb #c028
 @patch
-def save(self:Learner, path: os.PathLike | str, with_opt: bool = True) -> os.PathLike | str:
-    "Save the model (and optimizer) state to `path`, atomically: by rank 0 of several processes (each calls it if sharded)."
+def save(self:Learner,
+         path: os.PathLike | str,  # the file to write (with `sharded`: the folder)
+         with_opt: bool = True,  # with the optimizer's state
+         sharded: bool = False,  # a folder into which each process writes its shards (under the hood)
+        ) -> os.PathLike | str:
+    """Save the model (and optimizer) state to `path`, atomically: by rank 0 of several processes (each calls it if sharded).
+
+    Args:
+        path: the file to write (with `sharded`: the folder)
+        with_opt: with the optimizer's state
+        sharded: a folder into which each process writes its shards (under the hood)
+    """
+    if sharded: return _save_in_shards(self, path, with_opt)
     obj = {'model': self.model.state_dict()}
     if with_opt and self.opt is not None: obj['opt'] = self.opt.state_dict()
     obj = gathered(obj)  # a model sharded between processes (FSDP2, notebook 15): whole, each process calls `save`
@@ -806,11 +821,12 @@ def save(self:Learner, path: os.PathLike | str, with_opt: bool = True) -> os.Pat
 def load(self:Learner, path: os.PathLike | str, with_opt: bool = True) -> Learner:
     "Load model (and optimizer) state saved by `save`; nothing changes if the file does not fit."
     self._check_owner('load')
-    try: obj = torch.load(path, map_location='cpu', weights_only=True)
+    try: obj = torch.load(saved_file(path), map_location='cpu', weights_only=True)
     except Exception as e: raise ValueError(f"could not read a saved learner from {path!r}: {e}") from e
     if not isinstance(obj, dict) or 'model' not in obj:
         raise ValueError(f"{path!r} was not written by Learner.save (no 'model' entry)")
     check_state_matches(self.model, obj['model'])
+    if os.path.isdir(path): obj = load_in_shards(path, tensors_to_load(self, obj if with_opt else {'model': obj['model']}))
     with self.exclusive('load'):
         if with_opt and 'opt' in obj:
             if self.opt is None: self.create_opt()
@@ -1070,8 +1086,20 @@ def random_states(self:FitState):
     return boundary, self._epoch_start['rng']
 
 @patch
-def state_dict(self:FitState, learn, rng=None, every_rank=True):
-    "Everything `load_state_dict` needs to go on with `learn`'s fit exactly: weights, optimizer, step, callbacks, position, random states."
+def state_dict(self:FitState,
+               learn,  # the learner whose fit it is
+               rng=None,  # the random states to keep; None: those the fit goes on from
+               every_rank=True,  # with several processes, each gives its random states (all of them call it)
+               sharded=False,  # a sharded model's tensors stay each process's shards (to write them), not gathered whole
+              ):
+    """Everything `load_state_dict` needs to go on with `learn`'s fit exactly: weights, optimizer, step, callbacks, position, random states.
+
+    Args:
+        learn: the learner whose fit it is
+        rng: the random states to keep; None: those the fit goes on from
+        every_rank: with several processes, each gives its random states (all of them call it)
+        sharded: a sharded model's tensors stay each process's shards (to write them), not gathered whole
+    """
     if learn.opt is None: learn.create_opt()
     callbacks = {cb.name: state for cb in learn.cbs if (state := cb.state_dict()) is not None}
     boundary, epoch_start = self.random_states()
@@ -1083,7 +1111,7 @@ def state_dict(self:FitState, learn, rng=None, every_rank=True):
     mine = (saveable_rng(rng if rng is not None else boundary), saveable_rng(epoch_start) if mid_epoch else None)
     ranks = learn.processes.gather(mine) if every_rank else [mine]
     model_state, opt_state = learn.model.state_dict(), learn.opt.state_dict()
-    if learn.step.parallel is not None:  # sharded parameters (FSDP2) gathered whole: a collective, in every process
+    if learn.step.parallel is not None and not sharded:  # FSDP2's shards gathered whole: a collective, in every process
         model_state, opt_state = learn.step.parallel.gathered_state(model_state, opt_state)
     return {'model': model_state, 'opt': opt_state, 'step': learn.step.state_dict(),
             'callbacks': callbacks, 'observers': [cb.name for cb in learn.cbs if cb.name in callbacks and cb.observes],
@@ -1382,13 +1410,17 @@ def check_state_matches(model, state):
                                                    unexpected and f"unexpected {unexpected[:5]}",
                                                    wrong and f"shapes differ: {wrong[:5]}"])))
 
-def optimizer_with_state(learn, opt_state):
-    "A new optimizer from `learn`'s `opt_func` holding `opt_state` (an error if it does not fit); `learn.opt` stays as it was."
+def new_optimizer(learn):
+    "A new optimizer from `learn`'s `opt_func`, on its model's parameters; `learn.opt` stays as it was."
     previous = learn.opt
     try:
         learn.create_opt()
-        opt = learn.opt
+        return learn.opt
     finally: learn.opt = previous
+
+def optimizer_with_state(learn, opt_state):
+    "A new optimizer from `learn`'s `opt_func` holding `opt_state` (an error if it does not fit); `learn.opt` stays as it was."
+    opt = new_optimizer(learn)
     opt.load_state_dict(opt_state)
     return opt
 
@@ -1398,6 +1430,112 @@ def restore_training_state(learn, model_state, opt_state):
     opt = optimizer_with_state(learn, opt_state)
     learn.model.load_state_dict(shards_of(learn.model, state_for(learn.model, model_state)))
     learn.opt = opt
+
+# %% ../nbs/04_learner.ipynb #sh02
+SHARDED_STATE_FILE = 'state.pt'  # in a sharded save's folder, beside DCP's files
+
+def saved_file(path):
+    "The torch file to read of the save at `path`: the file itself, or the `state.pt` of a sharded save's folder."
+    return os.path.join(path, SHARDED_STATE_FILE) if os.path.isdir(path) else path
+
+def remove_saved(path):
+    "Remove the file, link or folder (with what it holds) at `path`, if there is one."
+    if os.path.isdir(path) and not os.path.islink(path): shutil.rmtree(path)
+    elif os.path.lexists(path): os.remove(path)
+
+def _replace_folder(new, folder):
+    "Rename the folder `new` to `folder`; one there already is moved aside first (a folder cannot be renamed over another)."
+    old = folder.with_name(f'.old-{folder.name}')
+    remove_saved(old)
+    if os.path.lexists(folder): os.replace(folder, old)
+    os.replace(new, folder)
+    remove_saved(old)
+
+def save_in_shards(tensors,  # nested dicts of tensors; of a DTensor, each process writes the shards it holds
+                   rest,  # the rest of the save (what `torch.save` writes), written by rank 0 beside them
+                   folder,  # the folder to write; one there already is replaced
+                   what,  # what it writes, for the other processes' error message
+                   then=None,  # called in rank 0 once the folder is in place
+                  ):
+    """Write `tensors` through torch.distributed.checkpoint and `rest` into `folder`, through a temporary folder; every process calls it.
+
+    Args:
+        tensors: nested dicts of tensors; of a DTensor, each process writes the shards it holds
+        rest: the rest of the save (what `torch.save` writes), written by rank 0 beside them
+        folder: the folder to write; one there already is replaced
+        what: what it writes, for the other processes' error message
+        then: called in rank 0 once the folder is in place
+    """
+    folder = Path(folder)
+    tmp = folder.with_name(f'.tmp-{folder.name}')
+    written_by_rank_zero(partial(remove_saved, tmp), what)  # what a crash left there, gone before any process writes
+    _through_dcp('save', tensors, tmp)
+    def finish():
+        atomic_save(rest, tmp / SHARDED_STATE_FILE)
+        _replace_folder(tmp, folder)
+        if then is not None: then()
+    written_by_rank_zero(finish, what)
+
+def load_shards(folder, tensors):
+    "Fill `tensors` (nested dicts, as `save_in_shards` wrote them) in place from `folder`: each process reads its shards."
+    _through_dcp('load', tensors, folder)
+
+def _through_dcp(action, tensors, folder):
+    "DCP's `save` or `load` of `tensors` in `folder`; alone, without its warning that it assumes a single process."
+    import torch.distributed.checkpoint as dcp
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='torch.distributed is disabled')
+        getattr(dcp, action)(tensors, checkpoint_id=folder, no_dist=not several_processes())
+
+def _state_tensors(model_state, opt_state):
+    "The tensors of a model's and an optimizer's states, by name: what DCP writes and reads."
+    per_parameter = {} if opt_state is None else opt_state['state']
+    return {'model': {k: v for k, v in model_state.items() if torch.is_tensor(v)},
+            'opt': {str(i): {k: v for k, v in s.items() if torch.is_tensor(v)} for i, s in per_parameter.items()}}
+
+def _replaced(model_state, opt_state, model_tensor, opt_tensor):
+    "`{'model': ..., 'opt': ...}`, the states with `model_tensor(name, t)`, `opt_tensor(index, t)` in place of their tensors."
+    model = {k: model_tensor(k, v) if torch.is_tensor(v) else v for k, v in model_state.items()}
+    if opt_state is None: return {'model': model}
+    per_parameter = {i: {k: opt_tensor(i, v) if torch.is_tensor(v) else v for k, v in s.items()}
+                     for i, s in opt_state['state'].items()}
+    return {'model': model, 'opt': {**opt_state, 'state': per_parameter}}
+
+def _meta(t): return torch.empty(t.shape, dtype=t.dtype, device='meta')  # the tensor's shape and dtype, without its data
+
+def in_shards(model_state, opt_state=None):
+    "`(tensors, layout)`: the states' tensors by name, for DCP, and `{'model': ..., 'opt': ...}` with meta tensors in their place."
+    layout = _replaced(model_state, opt_state, lambda name, t: _meta(t), lambda index, t: _meta(t))
+    return _state_tensors(model_state, opt_state), layout
+
+def empty_to_load(saved, like):
+    "An empty tensor of the shape and dtype of `saved` (a meta tensor), cut as the DTensor `like` where it has its shape."
+    if saved.shape != like.shape or like.device.type == 'meta': return torch.empty(saved.shape, dtype=saved.dtype)
+    if not _sharded(like): return torch.empty(saved.shape, dtype=saved.dtype, device=like.device)
+    from torch.distributed.tensor import empty
+    return empty(saved.shape, dtype=saved.dtype, device_mesh=like.device_mesh, placements=like.placements)
+
+def tensors_to_load(learn, state):
+    "A sharded save's `state` with an empty tensor in place of each meta one, cut as `learn`'s parameter is: to fill (`load_in_shards`)."
+    check_state_matches(learn.model, state['model'])  # the names and shapes the empty tensors are made with
+    own, params = learn.model.state_dict(), _params(new_optimizer(learn))
+    names = dict(zip(state['model'], state_for(learn.model, state['model'])))  # the file's names, the model's
+    like = lambda i, t: params[i] if 0 <= i < len(params) else t  # another optimizer's: its trial load says so
+    return {**state, **_replaced(state['model'], state.get('opt'), lambda k, t: empty_to_load(t, own[names[k]]),
+                                 lambda i, t: empty_to_load(t, like(i, t)))}
+
+def load_in_shards(folder, state):
+    "`state` (from `tensors_to_load`) with its empty tensors filled from the sharded save in `folder`."
+    load_shards(folder, _state_tensors(state['model'], state.get('opt')))
+    return state
+
+def _save_in_shards(learn, path, with_opt):
+    "`learn.save(path, sharded=True)`: every process writes its shards of the model's (and optimizer's) tensors into the folder `path`."
+    opt_state = learn.opt.state_dict() if with_opt and learn.opt is not None else None
+    tensors, layout = in_shards(learn.model.state_dict(), opt_state)
+    save_in_shards(tensors, layout, path, f"the save {path}")
+    return path
+
 
 # %% ../nbs/04_learner.ipynb #h25b
 class _InputsOnly(tuple):

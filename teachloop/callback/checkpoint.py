@@ -16,16 +16,17 @@ import torch
 from fastcore.basics import patch
 
 from ..core import (atomic_save, check_count, check_save_folder, check_save_path, process_rank,
-                            read_by_every_rank, written_by_rank_zero)
+                            read_by_every_rank, several_processes, written_by_rank_zero)
 from ..learner import (Callback, CancelFitException, Learner, StepSetting, batch_shape, check_state_matches,
-                               optimizer_with_state, restore_training_state)
+                               in_shards, load_in_shards, optimizer_with_state, remove_saved, restore_training_state,
+                               save_in_shards, saved_file, tensors_to_load)
 from ..random_state import loader_generators
 from .schedule import ParamScheduler
 
 # %% auto #0
 __all__ = ['FORMAT', 'checkpoint_state', 'fit_schedules', 'schedule_record', 'resume_call', 'check_schedules_continue',
            'read_checkpoint', 'check_checkpoint_fits', 'restore_checkpoint', 'Resume', 'Checkpoint',
-           'replace_with_link']
+           'replace_with_link', 'write_checkpoint', 'check_sharded', 'check_shared_folder']
 
 # %% ../../nbs/13_checkpoint.ipynb #c011
 FORMAT = 'teachloop-checkpoint'
@@ -33,19 +34,22 @@ FORMAT = 'teachloop-checkpoint'
 def checkpoint_state(learn,
                      rng=None,  # the random states to keep; None: those the fit goes on from
                      every_rank=True,  # with several processes, each gives its random states (all of them call it)
+                     sharded=False,  # a sharded model's tensors stay each process's shards (a sharded checkpoint)
                     ):
     """Everything needed to continue `learn`'s fit exactly: the fit's state (`learn.fit_state`), and its schedules.
 
     Args:
         rng: the random states to keep; None: those the fit goes on from
         every_rank: with several processes, each gives its random states (all of them call it)
+        sharded: a sharded model's tensors stay each process's shards (a sharded checkpoint)
     """
-    return {'format': FORMAT, **learn.fit_state.state_dict(learn, rng, every_rank), 'schedules': _schedule_records(learn)}
+    return {'format': FORMAT, **learn.fit_state.state_dict(learn, rng, every_rank, sharded), 'schedules': _schedule_records(learn)}
 
 @patch
 def save_checkpoint(self:Learner,
-                    path,  # the file to write
+                    path,  # the file to write (with `sharded`: the folder)
                     rng=None,  # the random states to keep; None: those the fit goes on from
+                    sharded=False,  # a folder into which each process writes its shards (under the hood, below)
                    ):
     """Write everything `fit(..., resume=path)` needs to continue exactly to `path`, atomically; return the path.
 
@@ -53,16 +57,16 @@ def save_checkpoint(self:Learner,
     processes every one of them calls it (each gives its random states), and the process of rank 0 writes.
 
     Args:
-        path: the file to write
+        path: the file to write (with `sharded`: the folder)
         rng: the random states to keep; None: those the fit goes on from
+        sharded: a folder into which each process writes its shards (under the hood, below)
     """
-    self.fit_state.at_epoch_end(partial(_write_checkpoint, self, path, rng))
+    self.fit_state.at_epoch_end(partial(_write_checkpoint, self, path, rng, sharded))
     return path
 
-def _write_checkpoint(learn, path, rng=None):
-    "Write `learn`'s checkpoint to `path` now, through a temporary file (in the process of rank 0)."
-    state = checkpoint_state(learn, rng)
-    written_by_rank_zero(partial(atomic_save, state, path), f"the checkpoint {path}")
+def _write_checkpoint(learn, path, rng=None, sharded=False):
+    "Write `learn`'s checkpoint to `path` now (every process calls it)."
+    write_checkpoint(checkpoint_state(learn, rng, sharded=sharded), path, f"the checkpoint {path}", sharded)
 
 # %% ../../nbs/13_checkpoint.ipynb #c041
 def fit_schedules(learn, cbs=()):
@@ -137,11 +141,12 @@ def check_schedules_continue(learn, state, n_epoch, cbs=(), path=None):
 
 # %% ../../nbs/13_checkpoint.ipynb #c013
 def read_checkpoint(path):
-    "Load a checkpoint file, with a clear error if it cannot be read or was not written by `save_checkpoint`."
+    "Load a checkpoint file (of a sharded one, its `state.pt`), with a clear error if it cannot be read or was not written by `save_checkpoint`."
     path = os.fspath(path)
-    try: state = torch.load(path, map_location='cpu', weights_only=True)
+    try: state = torch.load(saved_file(path), map_location='cpu', weights_only=True)
     except Exception as e:
-        raise ValueError(f"could not read the checkpoint {path!r} (truncated or not a torch file?): {e}") from e
+        why = "a sharded checkpoint's folder holds state.pt" if os.path.isdir(path) else "truncated or not a torch file?"
+        raise ValueError(f"could not read the checkpoint {path!r} ({why}): {e}") from e
     if not isinstance(state, dict) or state.get('format') != FORMAT:
         raise ValueError(f"{path!r} is not a teachloop checkpoint (written by `learn.save_checkpoint`)")
     return state
@@ -211,6 +216,7 @@ def restore_checkpoint(learn, state):
 def load_checkpoint(self:Learner, path):
     "Load a checkpoint's weights and optimizer state into the learner without resuming a fit."
     state = read_checkpoint(path)
+    if os.path.isdir(path): state = load_in_shards(path, tensors_to_load(self, state))  # a sharded checkpoint
     check_state_matches(self.model, state['model'])
     restore_training_state(self, state['model'], state['opt'])
     return self
@@ -221,19 +227,22 @@ class Resume(Callback):
 
     Args:
         learn: the learner whose fit resumes
-        path: the checkpoint file
+        path: the checkpoint file (a sharded checkpoint's folder)
         n_epoch: the fit's number of epochs
         cbs: the callbacks added for this fit
     """
     order = math.inf
     def __init__(self,
                  learn,  # the learner whose fit resumes
-                 path,  # the checkpoint file
+                 path,  # the checkpoint file (a sharded checkpoint's folder)
                  n_epoch,  # the fit's number of epochs
                  cbs=(),  # the callbacks added for this fit
                 ):
-        self.state = read_by_every_rank(partial(read_checkpoint, path), f"the checkpoint {path}")  # each process
-        check_checkpoint_fits(learn, self.state, n_epoch, cbs, path)
+        state = read_by_every_rank(partial(read_checkpoint, path), f"the checkpoint {path}")  # each process
+        sharded = os.path.isdir(path)  # empty tensors for its shards, checked with the rest before they are read
+        if sharded: state = tensors_to_load(learn, state)
+        check_checkpoint_fits(learn, state, n_epoch, cbs, path)
+        self.state = load_in_shards(path, state) if sharded else state
 
     def before_fit(self): restore_checkpoint(self.learn, self.state)
 
@@ -250,25 +259,31 @@ class Checkpoint(StepSetting):
         folder: where `epoch-NNN.pt` and `latest.pt` go
         every_n_epochs: write after every this many epochs
         keep: how many epoch files to keep (None: all)
+        sharded: each checkpoint a folder, every process writing its shards (under the hood, below)
     """
     order, observes = 70, True  # after the Recorder (50) and the progress bar (60), as it writes their state
     def __init__(self,
                  folder,  # where `epoch-NNN.pt` and `latest.pt` go
                  every_n_epochs=1,  # write after every this many epochs
                  keep=None,  # how many epoch files to keep (None: all)
+                 sharded=False,  # each checkpoint a folder, every process writing its shards (under the hood, below)
                 ):
         check_count('every_n_epochs', every_n_epochs)
         if keep is not None: check_count('keep', keep)
         self.folder = check_save_folder(folder, 'Checkpoint folder')
+        self.sharded = check_sharded(sharded)
         self.every_n_epochs, self.keep, self._ended, self._written = every_n_epochs, keep, False, []
 
+    def _path(self, name): return self.folder / (name if self.sharded else f'{name}.pt')  # a folder if sharded
+
     @property
-    def latest(self): return self.folder / 'latest.pt'
+    def latest(self): return self._path('latest')
 
     def apply_to(self, step): step.snapshot = True  # each training batch's BatchNorm statistics, for an error mid-batch
 
     def before_fit(self):
         self.folder = check_save_folder(self.folder, 'Checkpoint folder')  # again: it may have changed since
+        if self.sharded: check_shared_folder(self.folder)  # every process writes into it
         self._ended, self._written = False, []  # files of an earlier fit stay; a resume gives back its own list
 
     def after_epoch(self):
@@ -280,25 +295,25 @@ class Checkpoint(StepSetting):
 @patch
 def _save_epoch(self:Checkpoint, done):
     "Write the checkpoint of `done` epochs (every process gives its part; rank 0 writes), keeping `keep` of them."
-    path, before = self.folder / f'epoch-{done:03d}.pt', self._written
+    path, before = self._path(f'epoch-{done:03d}'), self._written
     # Only files this callback wrote are ever removed: other files in the folder (an earlier fit's) stay. The
     # file keeps the list as it is once the file is written, so that a fit resumed from it removes the same ones.
     written = [p for p in self._written if p != path] + [path]
     cut = max(len(written) - self.keep, 0) if self.keep is not None else 0
     self._written = written[cut:]
     try:
-        state = checkpoint_state(self.learn)  # in every process: each gives its random states
-        written_by_rank_zero(partial(self._write_epoch, path, state, written[:cut]), f"the checkpoint of epoch {done}")
+        state = checkpoint_state(self.learn, sharded=self.sharded)  # in every process: each gives its random states
+        write_checkpoint(state, path, f"the checkpoint of epoch {done}", self.sharded,
+                         then=partial(self._point_latest, path, written[:cut]))
     except BaseException:
         self._written = before
         raise
 
 @patch
-def _write_epoch(self:Checkpoint, path, state, removed):
-    "In the process of rank 0: write the epoch's file, point `latest.pt` at it, remove the files `keep` no longer wants."
-    atomic_save(state, path)
+def _point_latest(self:Checkpoint, path, removed):
+    "In the process of rank 0, once the epoch's checkpoint is written: point `latest` at it, remove those `keep` no longer wants."
     replace_with_link(path, self.latest)
-    for old in removed: old.unlink(missing_ok=True)
+    for old in removed: remove_saved(old)
 
 @patch
 def state_dict(self:Checkpoint):
@@ -313,12 +328,14 @@ def load_state_dict(self:Checkpoint, state):
 
 # %% ../../nbs/13_checkpoint.ipynb #c018u
 def replace_with_link(source, target):
-    "Make `target` a hard link to `source` (a copy where links are not possible), replacing it atomically."
+    "Make `target` a link to `source`, replacing it atomically: a hard link to a file (else a copy), a symbolic one to a folder."
     target = Path(target)
     tmp = target.with_name(f'.tmp-{target.name}')
-    if tmp.exists(): tmp.unlink()
-    try: os.link(source, tmp)
-    except OSError: tmp.write_bytes(Path(source).read_bytes())
+    remove_saved(tmp)
+    if Path(source).is_dir(): os.symlink(os.path.relpath(source, target.parent), tmp)  # a folder: a symbolic link
+    else:
+        try: os.link(source, tmp)
+        except OSError: tmp.write_bytes(Path(source).read_bytes())
     os.replace(tmp, target)
 
 @patch
@@ -336,9 +353,11 @@ def cleanup_fit(self:Checkpoint):
     # a Ctrl-C stops every process after the same batch: each gives its random states; after an error, rank 0 alone
     agreed = isinstance(fit_state.interrupted_by, KeyboardInterrupt) and learn.processes.several
     if not agreed and process_rank() != 0: return
-    state, path = checkpoint_state(learn, every_rank=agreed), self.folder / 'interrupted.pt'
+    if self.sharded and learn.processes.several and not agreed: return self._say_none_written()
+    state, path = checkpoint_state(learn, every_rank=agreed, sharded=self.sharded), self._path('interrupted')
+    if self.sharded: write_checkpoint(state, path, f"the checkpoint {path}", sharded=True)  # every process its shards
+    elif process_rank() == 0: atomic_save(state, path)
     if process_rank() != 0: return
-    atomic_save(state, path)
     if not fit_state.progress()['resumable']:  # during a validation: its rows would be incomplete
         resume = self.latest if self.latest.exists() else None
         print(f"Checkpoint: the fit was interrupted during a validation; {path} holds its weights "
@@ -347,3 +366,64 @@ def cleanup_fit(self:Checkpoint):
         return
     call, condition = resume_call(self.n_epoch, path, [s.fit_call for s in fit_schedules(self.learn)])
     print(f"Checkpoint: the fit was interrupted; `{call}` continues it{condition}")
+
+# %% ../../nbs/13_checkpoint.ipynb #sh02
+def write_checkpoint(state,  # what `checkpoint_state` gives
+                     path,  # the file to write (with `sharded`: the folder)
+                     what,  # what it is, for the other processes' error message
+                     sharded=False,  # a folder, each process writing its shards of the tensors
+                     then=None,  # called in the process of rank 0 once the checkpoint is in place
+                    ):
+    """Write the checkpoint `state` atomically: a file that rank 0 writes, or a folder of every process's shards; all call it.
+
+    Args:
+        state: what `checkpoint_state` gives
+        path: the file to write (with `sharded`: the folder)
+        what: what it is, for the other processes' error message
+        sharded: a folder, each process writing its shards of the tensors
+        then: called in the process of rank 0 once the checkpoint is in place
+    """
+    if sharded:
+        tensors, layout = in_shards(state['model'], state['opt'])
+        return save_in_shards(tensors, {**state, **layout}, path, what, then)
+    def write():
+        atomic_save(state, path)
+        if then is not None: then()
+    written_by_rank_zero(write, what)
+
+def check_sharded(sharded):
+    "`sharded` (True or False), checked: a sharded checkpoint needs torch.distributed."
+    if not isinstance(sharded, bool): raise TypeError(f"sharded must be True or False, got {sharded!r}")
+    if sharded and not torch.distributed.is_available():
+        raise ValueError("sharded=True writes through torch.distributed.checkpoint, which this build of torch lacks: "
+                         "leave sharded=False (rank 0 writes one file)")
+    return sharded
+
+def check_shared_folder(folder):
+    "Raise `ValueError` in every process unless each of them finds the file that rank 0 writes into `folder` now."
+    if not several_processes(): return
+    dist, probe, token = torch.distributed, Path(folder) / '.written-by-rank-0', [os.urandom(8).hex()]
+    dist.broadcast_object_list(token, src=0)
+    def write():
+        probe.parent.mkdir(parents=True, exist_ok=True)
+        probe.write_text(token[0])
+    written_by_rank_zero(write, f"a file into the checkpoint folder {folder}")
+    try: found = probe.read_text() == token[0]
+    except OSError: found = False  # not there: this process sees another folder
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, found)
+    if process_rank() == 0: probe.unlink()
+    apart = [rank for rank, found in enumerate(seen) if not found]
+    if apart:
+        raise ValueError(f"rank{'s' * (len(apart) > 1)} {', '.join(map(str, apart))} of {len(seen)} did not find the "
+                         f"file rank 0 wrote into the checkpoint folder {str(folder)!r}: with sharded=True every "
+                         "process writes its shards there, so on several machines it must be a folder that all of "
+                         "them share (a network file system), at the same path on each")
+
+@patch
+def _say_none_written(self:Checkpoint):
+    "In rank 0: no sharded checkpoint could be written after an error in one process; say which one resumes."
+    resume = f"; {self.latest} holds the end of its last epoch, to resume from" if self.latest.exists() else ''
+    print("Checkpoint: the fit stopped on an error in one process, and a sharded checkpoint needs every process to "
+          f"write its shards: none was written for the interruption{resume}")
+

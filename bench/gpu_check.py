@@ -287,6 +287,36 @@ def distributed_report():
     return lines, failed
 
 
+def sharded_resume(folder):
+    "In a rank: the wide MLP under FSDP2 for two epochs, each rank writing its shards; a new learner resumed from epoch 1's."
+    from teachloop.callback.checkpoint import Checkpoint
+    from teachloop.callback.distributed import gathered
+    from teachloop.core import process_count
+    def fitted(**kwargs):
+        torch.manual_seed(0)
+        learn = Learner(wide_dls(256 // process_count()), wide_mlp(), F.cross_entropy, lr=1e-3,
+                        cbs=[Quiet(), Checkpoint(Path(folder) / ('resumed' if kwargs else 'straight'), sharded=True)])
+        with learn.distributed(strategy='fsdp'): learn.fit(2, **kwargs)
+        return [gathered(p.detach()).cpu() for p in learn.model.parameters()]
+    straight = fitted()
+    return straight, fitted(resume=Path(folder) / 'straight' / 'epoch-001')
+
+
+def sharded_checkpoint_report():
+    "FSDP2 with nccl: a fit resumed from a sharded checkpoint (torch.distributed.checkpoint) against the fit never stopped."
+    from teachloop.callback.distributed import run_ranks
+    n_gpus, start = torch.cuda.device_count(), time.perf_counter()
+    title = f'FSDP2, nccl, {n_gpus} rank(s): resumed from a sharded checkpoint (each rank writes its shards)'
+    try:
+        with tempfile.TemporaryDirectory() as folder:
+            ranks = run_ranks(sharded_resume, folder, world_size=n_gpus, backend='nccl', timeout=300, start_method='spawn')
+    except Exception as e: return [f"FAIL  {title}: {type(e).__name__}: {str(e)[-1500:]}"], 1
+    straight, resumed = ranks[0]
+    gap = max((a.double() - b.double()).abs().max().item() for a, b in zip(straight, resumed))
+    verdict = 'PASS' if gap == 0 else 'FAIL'
+    return [f"{verdict}  {title} ({time.perf_counter() - start:.0f} s): weights vs the fit never stopped max |diff| {gap:.2e}"], int(gap != 0)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument('--quick', action='store_true', help='fewer benchmark rounds')
@@ -324,6 +354,7 @@ def main(argv=None):
     add([line], bad)
     add(*run_checks(CHECKS))
     add(*distributed_report())
+    add(*sharded_checkpoint_report())
     runs = ['--runs', '3'] if args.quick else []
     for title, bench_args in [('loop overhead (Learner / hand-written loop)', ['bench/loop_overhead.py', *runs]),
                               ('optimizer step (teachloop / torch.optim)',

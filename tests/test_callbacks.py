@@ -179,6 +179,7 @@ class CancelAfterBackward(Callback):
 ACCUMULATED = dict(bs=4, n_train=22)
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 @pytest.mark.parametrize('left_out', [None, 'mixed precision skips its step', 'cancelled after its backward'])
 def test_each_step_has_the_gradient_of_one_batch_of_all_its_items(left_out):
@@ -221,6 +222,7 @@ def with_weights(model, weights):
     return model
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 @pytest.mark.parametrize('clipped', [False, True], ids=['plain', 'clipped'])
 def test_a_fit_with_accumulation_equals_the_fit_with_the_big_batches(clipped):
@@ -304,6 +306,7 @@ def accumulated_float16_fit(sync_free, *cbs):
     return learn
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 def test_mixed_precision_without_waiting_skips_an_accumulated_step_as_the_waiting_one_does():
     "The step's check comes once its gradients are added up: taken and undone on the device, or skipped, alike."
@@ -340,6 +343,7 @@ def regression_learner(metrics, valid_sizes=(32, 7, 13), seed=0):
     return learn, torch.cat([b[0] for b in valid]), torch.cat([b[1] for b in valid])
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 def test_accum_metric_is_the_rmse_of_the_whole_set_and_the_batch_average_is_not():
     learn, x_valid, y_valid = regression_learner([rmse, AccumMetric(rmse, name='rmse_whole')])
@@ -353,6 +357,7 @@ def test_accum_metric_is_the_rmse_of_the_whole_set_and_the_batch_average_is_not(
     assert learn.metrics[1].preds == []  # the batches are let go once the value is read
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 def test_accum_metric_with_scikit_learns_auc_and_f1_equals_them_on_the_whole_set():
     from sklearn.metrics import f1_score, roc_auc_score
@@ -409,6 +414,7 @@ def test_a_metric_may_return_a_python_or_numpy_number(value):
     assert learn.validate()[1] == float(value.item() if hasattr(value, 'item') else value)  # exact in float32 too
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 def test_a_metric_returning_numbers_per_batch_is_averaged_by_batch_size():
     learn, _, _ = regression_learner([lambda pred, target: float(len(target))])
@@ -452,6 +458,7 @@ def validate_in_a_rank(n_valid, with_shard_only):
     except ValueError as e: return str(e)
 
 
+@pytest.mark.float32
 @pytest.mark.ranks
 @pytest.mark.numeric
 def test_under_two_processes_accum_metric_gathers_the_whole_set():

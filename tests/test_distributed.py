@@ -50,6 +50,7 @@ def fits():
     return ranks, alone
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 def test_two_ranks_equal_one_process_with_the_doubled_batch(fits):
     ranks, alone = fits
@@ -72,6 +73,7 @@ def test_both_ranks_record_the_same_effective_learning_rates(fits):
     assert len(histories[0]) > 2 and histories[0] == histories[1]
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 def test_reduced_validation_equals_one_process_with_an_uneven_last_shard(fits):
     ranks, alone = fits
@@ -224,6 +226,7 @@ def own_and_recorded_losses(dtype, cancel):
 @pytest.mark.numeric
 @pytest.mark.parametrize('dtype, cancel', [(torch.float32, CancelBatchException), (torch.float32, CancelBackwardException),
                                            (torch.bfloat16, None)])
+@pytest.mark.float32
 def test_recorded_losses_are_the_means_over_the_ranks(dtype, cancel):
     "Also of batches cancelled before their backward (no gradients carry them), and of a float32 loss of bf16 weights."
     (own0, recorded0), (own1, recorded1) = run_ranks(own_and_recorded_losses, dtype, cancel, **FORK)
@@ -599,6 +602,7 @@ def global_batch_norm_on_half(x, weight, upstream):
     return out.detach(), half.grad, layer.weight.grad, layer.bias.grad, layer.running_mean, layer.running_var
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 def test_global_batch_norm_on_two_halves_is_batch_norm_on_the_whole_batch():
     "Outputs, input gradients and running statistics; the ranks' weight gradients add up to the whole batch's."

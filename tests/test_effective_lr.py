@@ -37,6 +37,7 @@ def twin_models():
     (partial(RMSProp, lr=1e-3), partial(torch.optim.RMSprop, lr=1e-3, alpha=0.99, eps=1e-8),
      lambda s, t: 1e-3 / (s['square_avg'].sqrt() + 1e-8)),
 ])
+@pytest.mark.float32
 def test_matches_torch_state(ours, theirs, formula):
     a, b = twin_models()
     opt_a, opt_b = ours(a.parameters()), theirs(b.parameters())
@@ -52,6 +53,7 @@ def test_matches_torch_state(ours, theirs, formula):
 
 @pytest.mark.parametrize('factory', [partial(Adam, lr=1e-3, wd=0.), partial(QHAdam, nu1=1.), partial(RAdam, lr=1e-3),
                                      partial(Lamb, wd=0.)])
+@pytest.mark.float32
 @pytest.mark.parametrize('n_steps', [1, 3, 12])
 def test_realised_step_is_effective_lr_times_average_gradient(factory, n_steps):
     "For Adam-like optimizers without weight decay, the step taken is -effective lr x debiased average gradient."
@@ -70,6 +72,7 @@ def test_realised_step_is_effective_lr_times_average_gradient(factory, n_steps):
 
 @pytest.mark.parametrize('factory,lr', [(partial(SGD, lr=0.1, mom=0.9), 0.1), (partial(Nesterov, lr=0.05), 0.05),
                                         (partial(Lion, lr=1e-4), 1e-4)])
+@pytest.mark.float32
 def test_constant_for_sgd_like(factory, lr):
     model, _ = twin_models()
     opt = factory(model.parameters())
@@ -77,6 +80,7 @@ def test_constant_for_sgd_like(factory, lr):
     for lrs in effective_lrs(opt).values(): assert torch.equal(lrs, torch.full_like(lrs, lr))
 
 
+@pytest.mark.float32
 def test_lars_first_step_is_effective_lr_times_gradient():
     model, _ = twin_models()
     opt = LARS(model.parameters(), lr=1.)
@@ -101,6 +105,7 @@ def test_leaves_state_unchanged(factory):
         for k, v in state.items(): assert torch.equal(torch.as_tensor(after['state'][i][k]), torch.as_tensor(v))
 
 
+@pytest.mark.float32
 def test_quantiles_per_layer_and_param():
     model, _ = twin_models()
     model.float()
@@ -119,6 +124,7 @@ def test_quantiles_per_layer_and_param():
         effective_lr_stats(opt, model, quantiles=(0.5, 95))
 
 
+@pytest.mark.float32
 @pytest.mark.parametrize('n', [1, 2, 7, 1000])
 def test_quantiles_match_torch_quantile(n):
     from teachloop.diagnostics.effective_lr import _quantiles
@@ -134,6 +140,7 @@ def test_no_state_before_first_step_and_unknown_optimizers():
         effective_lr_stats(torch.optim.Adagrad(model.parameters()), model)
 
 
+@pytest.mark.float32
 def test_update_ratio():
     model, reference = twin_models()
     tracker = UpdateRatio(model)
@@ -147,6 +154,7 @@ def test_update_ratio():
     assert set(tracker.ratios(per='param')) == {name for name, _ in model.named_parameters()}
 
 
+@pytest.mark.float32
 def test_tracker_records_on_schedule():
     learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, opt_func=Adam, lr=1e-3, default_cbs=False,
                     cbs=[EffectiveLRTracker(every=4)])

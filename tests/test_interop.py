@@ -26,6 +26,7 @@ def hand_loop(model, opt, dl, scheduler=None):
 def max_diff(a, b): return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
 
 
+@pytest.mark.float32
 def test_one_cycle_lr_scheduler_drives_our_optimizer_like_torch():
     torch.manual_seed(0)
     model = digits_cnn().double()  # float64, so that 1e-10 holds on any CPU
@@ -123,6 +124,7 @@ def test_optim_wrapper_set_hyper_writes_torch_names():
     assert [g['betas'] for g in groups] == [(0.8, 0.95), (0.85, 0.95)]
 
 
+@pytest.mark.float32
 def test_learner_with_wrapped_adamw_trains_like_torch():
     torch.manual_seed(0)
     model = digits_cnn()
@@ -137,6 +139,7 @@ def test_learner_with_wrapped_adamw_trains_like_torch():
     assert learn.opt.decouple_wd
 
 
+@pytest.mark.float32
 def test_one_cycle_schedules_wrapped_optimizer():
     import teachloop.callback.schedule  # noqa: F401  (adds fit_one_cycle)
     learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, lr=1e-2, default_cbs=False,
@@ -265,6 +268,7 @@ def fit_by_hand(model, opt, batches, n_epoch):
             F.mse_loss(model(xb), yb).backward(); opt.step(); opt.zero_grad()
 
 
+@pytest.mark.float32
 @pytest.mark.parametrize('cls', [c for c in TORCH_OPTIMIZERS if c not in REFUSED], ids=lambda c: c.__name__)
 def test_every_torch_optimizer_trains_in_the_learner_as_in_a_hand_written_loop(cls):
     "float64, same batches, same steps: the weights agree bit for bit with the torch optimizer driven by hand."
@@ -306,6 +310,7 @@ def test_a_partial_of_a_torch_optimizer_keeps_its_arguments_and_the_learners_lr_
         Learner(DataLoaders(batches, None), model, F.mse_loss, opt_func=partial(torch.optim.SGD, [], 0.1))
 
 
+@pytest.mark.float32
 def test_a_torch_optimizer_class_takes_discriminative_lrs_schedules_and_freezing():
     import teachloop.callback.schedule  # noqa: F401  (adds fit_one_cycle)
     learn = Learner(digits_dls(), digits_cnn(), F.cross_entropy, opt_func=torch.optim.AdamW, lr=slice(1e-4, 1e-2),
@@ -390,6 +395,7 @@ def test_freeze_with_one_parameter_group_is_refused_saying_how_to_split():
     assert [p.requires_grad for p in learn.model.parameters()] == before
 
 
+@pytest.mark.float32
 def test_fit_one_cycle_leaves_a_torch_optimizers_momentum_off_when_it_is_off():
     "torch's SGD with momentum=0 takes no momentum: the cycle of `moms` is not switched on for it (it is for Adam's β1)."
     sgd = digits_learner(opt_func=torch.optim.SGD, lr=0.05)

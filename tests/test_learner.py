@@ -607,6 +607,7 @@ def bn_model():
     return nn.Sequential(nn.Linear(2, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 1)).double()
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 def test_wd_bn_bias_false_decays_only_the_other_weights():
     learn = Learner(tiny_dls(dtype=torch.float64), bn_model(), F.mse_loss, opt_func=partial(SGD, decouple_wd=False), lr=0.1,
@@ -627,6 +628,7 @@ def test_wd_bn_bias_false_decays_only_the_other_weights():
     assert (decayed_everywhere.model[1].weight - learn.model[1].weight).abs().max() > 1e-4
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 @pytest.mark.parametrize('fast', [False, True])
 def test_wd_bn_bias_false_with_adam_matches_torch_adamw_with_a_group_without_decay(fast):
@@ -645,6 +647,7 @@ def test_wd_bn_bias_false_with_adam_matches_torch_adamw_with_a_group_without_dec
     assert all((a - b).abs().max() <= 1e-10 for a, b in zip(learn.model.parameters(), model.parameters()))
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 def test_wd_bn_bias_false_holds_for_an_optimizer_state_loaded_from_a_learner_that_decayed_everything(tmp_path):
     sgd = partial(SGD, decouple_wd=False)

@@ -131,6 +131,7 @@ def test_a_fit_resumed_before_where_it_stopped_leaves_the_files_of_the_fit_never
 
 # ---- TensorBoardLogger
 
+@pytest.mark.float32
 @pytest.mark.numeric
 def test_tensorboard_logger_writes_every_batch_every_group_every_row_and_the_effective_lrs(tmp_path):
     learn = digits_learner(TensorBoardLogger(tmp_path, every=7), metrics=[accuracy], splitter=two_groups)

@@ -79,6 +79,7 @@ SCHEDULES = {  # name: (the callback's class and arguments, the scheduler in tor
 }
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 @pytest.mark.parametrize('name', SCHEDULES)
 def test_the_rates_and_weights_are_those_of_torchs_loop(name):
@@ -97,6 +98,7 @@ def throwaway_optimizer():
     return torch.optim.SGD([nn.Parameter(torch.zeros(3))], lr=0.5, momentum=0.5)
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 @pytest.mark.parametrize('name', [name for name in SCHEDULES if not name.startswith(('OneCycleLR', 'CyclicLR'))])
 def test_a_scheduler_made_on_another_optimizer_is_made_again_on_the_fits(name):
@@ -144,6 +146,7 @@ def test_a_scheduler_that_has_stepped_is_refused():
     (partial(SGD, mom=0.9), lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)),
     (partial(Adam, wd=0.), lambda p: torch.optim.Adam(p, lr=0.05, betas=(0.9, 0.99), eps=1e-5)),
 ])
+@pytest.mark.float32
 def test_teachloops_optimizers_get_torchs_values_and_momentum_cycled_as_beta1(ours, theirs):
     "One cycle with momentum cycled: torch's `momentum`, or Adam's beta1, is our `mom`."
     learn = learner(ours)
@@ -155,6 +158,7 @@ def test_teachloops_optimizers_get_torchs_values_and_momentum_cycled_as_beta1(ou
     assert all((a - b).abs().max() < 1e-12 for a, b in zip(weights(learn), weights(net)))
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 def test_one_value_per_parameter_group_and_the_fits_lr_as_the_start():
     "Two groups, a max_lr each; StepLR starts from `fit(lr=...)`, as from a torch optimizer made with that lr."

@@ -139,6 +139,7 @@ def test_every_metric_of_the_module_is_described():
     assert described == PUBLIC_METRICS and PUBLIC_METRICS <= set(metrics.__all__)
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 @pytest.mark.parametrize('key', METRICS)
 def test_on_the_whole_set_each_metric_is_its_reference(key):
@@ -177,6 +178,7 @@ def lookup_learner(kind, keys, seed=0):
 def keys_of(kind): return [k for k, d in METRICS.items() if d.kind == kind and not k.startswith('accuracy_multi, ')]
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 @pytest.mark.parametrize('kind', KINDS)
 def test_in_a_fit_the_recorder_gives_each_metric_the_whole_sets_value(kind):
@@ -198,6 +200,7 @@ def validate_every_kind_in_a_rank():
     return found
 
 
+@pytest.mark.float32
 @pytest.mark.ranks
 @pytest.mark.numeric
 def test_on_two_processes_each_metric_is_the_whole_sets():
@@ -277,6 +280,7 @@ def test_skm_to_fastai_prepares_as_fastai_and_checks_as_its_arguments_say():
     with pytest.raises(ValueError, match='use accuracy'): skm_to_fastai(skm.max_error, is_class=False)(pred, target)
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 def test_perplexity_counts_every_position_of_a_sequence():
     g = torch.Generator().manual_seed(0)

@@ -245,6 +245,7 @@ def test_trajectory_widget_changes_surface_and_lr():
 def test_trajectory_widget_refuses_unknown_surface():
     with pytest.raises(KeyError, match='canyon'): TrajectoryWidget(surface='bowl')
 
+@pytest.mark.float32
 def test_gradient_stream_widget_follows_its_sliders():
     grads = torch.randn(120, generator=torch.Generator().manual_seed(1)) * 0.01
     widget = GradientStreamWidget(grads)

@@ -51,12 +51,14 @@ PAIRS = {
 }
 
 
+@pytest.mark.float32
 @pytest.mark.parametrize('name', PAIRS)
 def test_parity_with_torch(name, batches):
     ours, theirs = PAIRS[name]
     assert max_weight_diff(ours, theirs, batches) <= TOL
 
 
+@pytest.mark.float32
 def test_training_moves_the_weights(batches):
     "The parity above is not met by two optimizers that leave the weights alone."
     torch.manual_seed(0)
@@ -93,6 +95,7 @@ def test_set_hyper_bad_value_leaves_optimizer_unchanged():
     assert [h['lr'] for h in opt.hypers] == [0.1, 0.1]
 
 
+@pytest.mark.float32
 @pytest.mark.parametrize('make', [lambda p: Adam(p, lr=1e-3), lambda p: SGD(p, lr=1e-3, mom=0.9)])
 def test_state_dict_can_be_loaded_again_and_again(make):
     model = torch.nn.Linear(3, 2)
@@ -140,6 +143,7 @@ def steps(model, opt, n=5, scheduler=None):
 def weights_diff(a, b): return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
 
 
+@pytest.mark.float32
 def test_group_dicts_with_generators_train_like_torch():
     ours, theirs = double_model(), double_model()
     opt = SGD([{'params': ours[0].parameters(), 'lr': 0.1}, {'params': ours[2].parameters()}], lr=0.05, mom=0.9)
@@ -179,6 +183,7 @@ def test_clear_state_keeps_per_parameter_settings():
     (partial(Adam, sqr_mom=0.999, eps=1e-8, wd=0.01), partial(torch.optim.AdamW, eps=1e-8, weight_decay=0.01)),
     (partial(SGD, mom=0.9), partial(torch.optim.SGD, momentum=0.9)),
 ])
+@pytest.mark.float32
 @pytest.mark.parametrize('fast', [None, False])
 def test_torchs_momentum_cycling_schedulers_drive_our_optimizers(ours, theirs, fast):
     a, b = double_model(), double_model()
@@ -200,6 +205,7 @@ def test_torchs_momentum_cycling_schedulers_drive_our_optimizers(ours, theirs, f
 
 # ---- what the optimizer checks and fills in by itself (tests found missing by mutation testing, tools/mutate.py)
 
+@pytest.mark.float32
 def test_rmsprop_at_its_defaults_is_torchs_rmsprop_at_its_defaults():
     "eps 1e-8 and a square average of 0.99 when none is given: small gradients, where eps weighs, in float64."
     ours, theirs = (torch.nn.Parameter(torch.linspace(-1, 1, 6, dtype=torch.float64)) for _ in range(2))

@@ -27,6 +27,7 @@ ADAMW = [weight_decay, partial(average_grad, dampening=True), average_sqr_grad, 
     ([average_sqr_grad, PALETTE['step: over the gradient RMS (RMSProp)']], 'RMSProp (wd=0)', partial(RMSProp, lr=0.01, sqr_mom=0.99, eps=1e-8)),
     ([weight_decay, lion_step], 'Lion', partial(Lion, lr=0.01, mom=0.9, avg_mom=0.99, wd=0.01)),
 ])
+@pytest.mark.float32
 def test_a_named_recipe_trains_exactly_as_its_named_optimizer(cbs, named, make):
     check_recipe(cbs)
     assert name_recipe(cbs) == named

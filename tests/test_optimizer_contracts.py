@@ -176,6 +176,7 @@ def test_every_exported_optimizer_is_described():
 
 # ---- 7. the reference
 
+@pytest.mark.float32
 @pytest.mark.parametrize('name, i', CASES)
 def test_equal_to_the_reference(name, i):
     info, setting = OPTIMIZERS[name], OPTIMIZERS[name].settings[i]
@@ -191,6 +192,7 @@ def test_equal_to_the_reference(name, i):
 
 # ---- 2. the fast step
 
+@pytest.mark.float32
 @pytest.mark.parametrize('name, i', CASES)
 def test_fast_step_matches_the_callbacks(name, i):
     info, setting = OPTIMIZERS[name], OPTIMIZERS[name].settings[i]
@@ -460,6 +462,7 @@ def torch_one_cycle(learn):
 SCHEDULES = [fit_one_cycle, fit_flat_cos, fit_sgdr, param_scheduler, torch_one_cycle]
 
 
+@pytest.mark.float32
 @pytest.mark.parametrize('schedule', SCHEDULES, ids=lambda s: s.__name__)
 @pytest.mark.parametrize('name, i', FIRST_SETTINGS)
 def test_every_schedule_trains_as_the_reference_or_is_refused(name, i, schedule):

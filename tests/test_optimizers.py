@@ -116,6 +116,7 @@ def trained_pair(ours, theirs, batches, seed=0):
     return model, m1, m2
 
 
+@pytest.mark.float32
 @pytest.mark.parametrize('name', PAIRS)
 def test_matches_independent_implementation(name, batches):
     start, ours, theirs = trained_pair(*PAIRS[name], batches)
@@ -124,6 +125,7 @@ def test_matches_independent_implementation(name, batches):
     assert diff <= 1e-10 and moved > 1e-4, (diff, moved)
 
 
+@pytest.mark.float32
 def test_lars_trust_ratio_in_state():
     w = torch.nn.Parameter(torch.full((4,), 2.))
     opt = LARS([w], lr=0.1, trust_coeff=0.01)

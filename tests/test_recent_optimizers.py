@@ -53,6 +53,7 @@ def onednn_off():
 
 # ---- Muon
 
+@pytest.mark.float32
 @pytest.mark.numeric
 @pytest.mark.parametrize('shape', [(32, 32), (16, 48), (48, 16)])
 def test_newton_schulz_is_torchs_bit_for_bit_single_and_batched(shape):
@@ -67,6 +68,7 @@ def test_newton_schulz_is_torchs_bit_for_bit_single_and_batched(shape):
     assert (newton_schulz(matrices, dtype=torch.bfloat16).double() - theirs.double()).abs().max() <= 1.3 * 2 ** -8
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 @pytest.mark.parametrize('adjust_lr', ['original', 'match_rms_adamw', 'spectral_unclamped'])
 @pytest.mark.parametrize('nesterov', [True, False])
@@ -83,6 +85,7 @@ def test_muon_matches_torch(adjust_lr, nesterov, fast, batches):
     assert max_diff(ours, theirs) == 0 and max_diff(ours, start) > 1e-2
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 @pytest.mark.parametrize('fast', [False, True])
 def test_muon_adamw_matches_torch_muon_beside_torch_adamw(fast, batches):
@@ -115,6 +118,7 @@ def test_a_cpu_multiplies_bfloat16_where_it_has_avx512_bf16():
     assert cpu_multiplies_bfloat16() == ('avx512_bf16' in flags and torch.backends.mkldnn.is_available())
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 def test_float32_newton_schulz_is_near_bfloat16s_and_nearer_float64s():
     torch.manual_seed(0)
@@ -136,6 +140,7 @@ def test_muon_by_default_multiplies_in_the_dtype_chosen_for_the_device(multiplie
     assert Muon(start.parameters()).param_groups[0]['ns_dtype'] is None  # chosen at each step: a saved state travels
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 def test_where_a_cpu_emulates_bfloat16_torchs_muon_is_one_argument_away(batches):
     start = digits_mlp(bias=False).double()
@@ -232,6 +237,7 @@ def digits_cnn_double():
     return digits_cnn().double()  # 4-D filters (factored over their last two dimensions), biases, a head
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 @pytest.mark.parametrize('hypers', [{}, {'lr': 3e-3, 'wd': 0.1, 'd': 2.}, {'eps1': 1e-30, 'eps2': 1e-2, 'beta2_decay': -0.5}])
 @pytest.mark.parametrize('fast', [False, True])
@@ -296,6 +302,7 @@ class PaperAdEMAMix:
 @pytest.mark.numeric
 @pytest.mark.parametrize('hypers', [dict(lr=1e-3), dict(lr=1e-3, slow_mom=0.99, slow_mix=8., slow_mix_warmup=20,
                                                              slow_mom_warmup=30, wd=0.1)])
+@pytest.mark.float32
 @pytest.mark.parametrize('fast', [False, True])
 def test_ademamix_matches_the_papers_algorithm(hypers, fast, batches):
     start = digits_cnn_double()
@@ -325,6 +332,7 @@ def test_ademamix_schedules_and_bad_hypers():
 @pytest.mark.parametrize('kind, hypers', [
     ('adamw', dict(lr=2e-3)), ('adamw', dict(lr=2e-3, wd=0.05, warmup_steps=10, r=1., weight_lr_power=1., mom=0.8)),
     ('sgd', dict(lr=0.05)), ('sgd', dict(lr=0.05, wd=0.01, warmup_steps=10, r=0.5, mom=0.95))])
+@pytest.mark.float32
 @pytest.mark.parametrize('fast', [False, True])
 def test_schedule_free_matches_the_package(kind, hypers, fast, batches):
     schedulefree = pytest.importorskip('schedulefree')  # a test-only dependency (pyproject's `dev` extra)
@@ -459,6 +467,7 @@ class PaperSOAP:
         for p in self.params: p.grad = None
 
 
+@pytest.mark.float32
 @pytest.mark.numeric
 @pytest.mark.parametrize('fast', [False, True])
 def test_soap_matches_the_papers_algorithm(fast):
@@ -530,6 +539,7 @@ def test_nadam_and_adamax_match_torch(name, ours, theirs, fast, batches, float64
 @pytest.mark.parametrize('make', [partial(AdEMAMix, lr=1e-3, slow_mix_warmup=10, slow_mom_warmup=20, wd=0.01),
                                   partial(ScheduleFreeAdamW, lr=1e-3, wd=0.01, warmup_steps=5),
                                   partial(Adamax, lr=1e-3, wd=0.01)])
+@pytest.mark.float32
 @pytest.mark.parametrize('per_parameter_on_cpu', [True, False])
 def test_fast_steps_match_the_callbacks(make, per_parameter_on_cpu, batches, monkeypatch):
     "The CPU's per-parameter step and, with it taken out, the multi-tensor versions a GPU runs, against the callbacks."

@@ -1,10 +1,11 @@
-"""The dashboard in a real browser: JupyterLab and Jupyter Notebook 7 in headless Chromium run a background fit with
-`TrainingDashboard`.
+"""The dashboard in a real browser: JupyterLab in headless Chromium runs a background fit with `TrainingDashboard`.
 
 Checks that the frame counter rises during the fit, that dragging the lr slider changes the lr the fit records for
 later batches, that Pause holds the fit until Resume, that Stop ends the fit with the learner's history kept, and
-that a plain (blocking) fit shows live frames while its cell runs. Saves screenshots to artifacts/, one set per
-front end.
+that a plain (blocking) fit shows live frames while its cell runs. Saves screenshots to artifacts/.
+
+Jupyter Notebook 7 is made of JupyterLab's parts (its cells, outputs and widget manager): the widgets' test
+(test_widgets_browser.py) drives it, this one JupyterLab, so that each front end is driven in the browser by one test.
 
 Every wait is for progress: frames on the page, the training step a frame shows, what the kernel reports on the page
 (the step at which it took a slider's value, a pause holding it). The fits run until the test has seen what it needs
@@ -212,6 +213,7 @@ def browser_page(jupyter, prefix, width=1300):
         finally: browser.close()
 
 
+@pytest.mark.parametrize('jupyter', ['lab'], indirect=True)
 def test_dashboard_in_browser(jupyter):
     timings, start = {}, time.monotonic()  # reported, never compared with a limit
     prefix = jupyter['front_end'].artifact_prefix

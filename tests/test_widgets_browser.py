@@ -1,6 +1,6 @@
-"""The direction-decay and optimizer-builder widgets in a real browser (JupyterLab and Jupyter Notebook 7, headless
-Chromium): moving a slider or ticking callbacks redraws the picture, and the builder's message follows the list.
-Saves screenshots to artifacts/. Each wait is for the page to change, with a time limit only against a hang."""
+"""The direction-decay and optimizer-builder widgets in a real browser (Jupyter Notebook 7, headless Chromium; the
+dashboard's test drives JupyterLab): moving a slider or ticking callbacks redraws the picture, and the builder's
+message follows the list. Saves screenshots to artifacts/. Each wait is for the page to change, with a time limit only against a hang."""
 from pathlib import Path
 
 import pytest
@@ -16,6 +16,7 @@ def image_source(page, selector):
     return page.locator(f'{selector} img').first.get_attribute('src')
 
 
+@pytest.mark.parametrize('jupyter', ['notebook7'], indirect=True)
 def test_widgets_redraw_in_the_browser(jupyter):
     prefix = jupyter['front_end'].artifact_prefix.replace('dashboard', 'widgets')
     with browser_page(jupyter, prefix, width=1400) as page:

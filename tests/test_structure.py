@@ -254,9 +254,11 @@ def test_what_a_module_adds_to_lower_ones_does_not_depend_on_the_import_order():
     "The learner's default callbacks and methods, the fast steps, the effective-lr facts: the same whatever comes first."
     seen = {first: subprocess.run([sys.executable, '-c', FINGERPRINT.format(first=first)], capture_output=True, text=True,
                                   check=True).stdout
-            for first in ('core', 'learner', 'optim.core', 'callback.checkpoint', 'dashboard.live', 'all')}
+            # any submodule runs the package root first: one the root imports, one it does not, and everything
+            for first in ('optim.core', 'dashboard.live', 'all')}
     assert len(set(seen.values())) == 1, {first: out[:300] for first, out in seen.items()}
-    assert "'Recorder'" in seen['core'] and 'fit_one_cycle' in seen['core'] and 'teachloop.optim.fast' in seen['core']
+    root = seen['optim.core']
+    assert "'Recorder'" in root and 'fit_one_cycle' in root and 'teachloop.optim.fast' in root
 
 
 # ---- the callbacks' protocol: a callback takes part in the engine by what its class declares

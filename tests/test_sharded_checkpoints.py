@@ -16,6 +16,7 @@ from teachloop.callback.checkpoint import Checkpoint, read_checkpoint
 from teachloop.callback.core import accuracy
 from teachloop.callback.distributed import run_ranks
 from teachloop.callback.schedule import fit_one_cycle  # noqa: F401 (adds `Learner.fit_one_cycle`)
+from teachloop.callback.tracker import SaveModel
 from teachloop.core import process_rank
 from teachloop.data import DataLoaders, digits_cnn, load_digits_tensors
 from teachloop.learner import Callback, Learner, gathered
@@ -297,3 +298,35 @@ def test_a_mid_epoch_resume_in_one_process_with_another_global_batch_is_refused_
     with pytest.raises(ValueError, match=r'by 2 processes with batches of 16 \(a global batch of 32\)'):
         fit(learn, strategy='ddp', resume=tmp_path / 'interrupted')
     assert unchanged(learn, (before[0], learn.opt)) and not learn.recorder.losses and not read
+
+
+# ---- SaveModel(sharded=True): the best epoch's weights, each process writing its shards
+
+def best_weights_saved(folder, strategy, sharded):
+    "A fit whose best epoch (the highest validation loss) is written by SaveModel and loaded back at its end."
+    ends = [StateAtEpochEnd(epoch) for epoch in range(N_EPOCH)]
+    for epoch, cb in enumerate(ends): cb.name = f'state_at_end_of_{epoch}'
+    saver = SaveModel('valid_loss', 'max', folder / ('best' if sharded else 'best.pt'), sharded=sharded)
+    learn = learner('adam', saver, *ends)
+    with learn.distributed(strategy=strategy): learn.fit_one_cycle(N_EPOCH)
+    best = max(range(N_EPOCH), key=lambda epoch: learn.recorder.values[epoch][2])
+    return whole_state(learn)['weights'], ends[best].state['weights'], ends[-1].state['weights'], sorted(
+        p.name for p in (folder / 'best').iterdir()) if sharded else None
+
+
+@pytest.mark.ranks
+def test_save_model_in_shards_ends_with_the_best_epochs_weights_as_the_whole_file_does(tmp_path):
+    for rank in run_ranks(partial(_both_savers, tmp_path), **FORK):
+        (restored, best, last, files), (restored_file, _, _, _) = rank
+        assert same(restored, best) and not same(best, last) and same(restored, restored_file)
+        assert files == ['.metadata', '__0_0.distcp', '__1_0.distcp', 'state.pt']
+
+
+def _both_savers(folder):
+    return [best_weights_saved(folder / name, 'fsdp', sharded) for name, sharded in (('shards', True), ('file', False))]
+
+
+def test_save_model_in_shards_in_one_process(tmp_path):
+    restored, best, last, files = best_weights_saved(tmp_path, 'ddp', True)
+    assert same(restored, best) and not same(best, last) and files == ['.metadata', '__0_0.distcp', 'state.pt']
+    with pytest.raises(TypeError, match='sharded must be True or False'): SaveModel(path=tmp_path / 'b', sharded='yes')

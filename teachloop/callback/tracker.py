@@ -16,9 +16,10 @@ import numpy as np
 import torch
 from fastcore.basics import patch
 
-from ..core import atomic_save, check_count, check_save_path, written_by_rank_zero
+from ..core import atomic_save, check_count, check_save_folder, check_save_path, written_by_rank_zero
 from ..learner import Callback, CancelFitException, gathered
 from .schedule import check_hyper_writers
+from .checkpoint import check_shared_folder, check_sharded
 
 # %% auto #0
 __all__ = ['LOWER_IS_BETTER', 'HIGHER_IS_BETTER', 'monitor_mode', 'TrackerCallback', 'SaveModel', 'EarlyStopping',
@@ -91,22 +92,29 @@ class SaveModel(TrackerCallback):
 
     Args:
         restore_best: load the best epoch's weights when the fit ends (False: keep the last ones)
+        sharded: `path` a folder into which each process writes its shards (13: a sharded checkpoint)
     """
     def __init__(self, monitor='valid_loss', mode='auto', path=None, min_delta=0.,
                  restore_best=True,  # load the best epoch's weights when the fit ends (False: keep the last ones)
+                 sharded=False,  # `path` a folder into which each process writes its shards (13: a sharded checkpoint)
                 ):
         super().__init__(monitor, mode, min_delta)
         if path is None: raise TypeError("SaveModel needs the file to write the best weights to: SaveModel(path='best.pt')")
-        self.path = check_save_path(path, 'model.pt', 'SaveModel path')
-        self.restore_best = restore_best
+        self.restore_best, self.sharded = restore_best, check_sharded(sharded)
+        self.path = self._checked(path, 'model.pt')
+
+    def _checked(self, path, default_name):
+        return check_save_folder(path, 'SaveModel path') if self.sharded else check_save_path(path, default_name, 'SaveModel path')
 
     def before_fit(self):
         super().before_fit()
-        self.path = check_save_path(self.path, None, 'SaveModel path')  # again: it may have changed since
+        self.path = self._checked(self.path, None)  # again: it may have changed since
+        if self.sharded: check_shared_folder(self.path.parent)  # every process writes into it
 
     def after_epoch(self):
         super().after_epoch()
         if not self.improved: return  # decided alike in every process: the values are the ones summed over them
+        if self.sharded: return self.learn.save(self.path, with_opt=False, sharded=True)  # every process, its shards
         # the weights are the same in each process (a sharded model's gathered whole, in each): rank 0 writes them
         weights = {'model': gathered(self.learn.model.state_dict())}  # what `learn.save(path, with_opt=False)` writes
         written_by_rank_zero(partial(atomic_save, weights, self.path), f"the best weights to {self.path}")

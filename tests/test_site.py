@@ -260,11 +260,10 @@ TYPESET = """() => {
 
 
 def open_course_page(page, url):
-    "Open a page and return the milliseconds it took to be ready (printed, not asserted: the machine may be busy)."
+    """Open a page and return the milliseconds it took to be ready (printed, not asserted: the machine may be busy).
+    Ready is what READY waits for: the page and its images loaded, MathJax started, every saved widget drawn."""
     page.goto(url, wait_until='commit', timeout=PATIENCE_MS)
-    ready_ms = page.evaluate(READY)
-    page.wait_for_load_state('networkidle', timeout=PATIENCE_MS)
-    return ready_ms
+    return page.evaluate(READY)
 
 
 def page_weight(page):
@@ -361,6 +360,7 @@ def exported_names():
 
 def check_course_page(page, problems, url, stem):
     "A report line and the faults found on one notebook's page."
+    late = [f"{stem}: after the page before it was read: {problem}" for problem in problems]  # reported, not lost
     problems.clear()
     ready_ms = open_course_page(page, url)
     views, saved = wait_for_widgets(page)
@@ -370,7 +370,7 @@ def check_course_page(page, problems, url, stem):
     images, broken = image_counts(page)
     expected = png_cells(stem)
     weight, layout = page_weight(page), layout_faults(page)
-    faults = [f"{stem}: {problem}" for problem in problems]
+    faults = late + [f"{stem}: {problem}" for problem in problems]
     if broken: faults.append(f"{stem}: images that did not load: {broken}")
     if images < expected: faults.append(f"{stem}: {images} images on the page, {expected} cells with a PNG output")
     if weight['hidden_views'] or weight['unused_models']:

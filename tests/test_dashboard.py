@@ -420,7 +420,7 @@ from teachloop.dashboard.live import TrainingDashboard, fit_background
 from teachloop.data import digits_cnn, digits_dls
 from teachloop.learner import Learner
 learn = Learner(digits_dls(), digits_cnn(), nn.functional.cross_entropy, default_cbs=False)
-handle = fit_background(learn, 1000, cbs=[TrainingDashboard(live=True, refresh=0.)])
+handle = fit_background(learn, 1000, cbs=[TrainingDashboard(live=True, refresh=0.25)])  # drawing as the script ends
 while learn.train_iter < 5: time.sleep(0.01)
 print('leaving during the fit', flush=True)
 """

@@ -13,6 +13,7 @@ import re
 import shutil
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import partial
@@ -39,11 +40,11 @@ __all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', '
            'set_optimizer_mode', 'TrainEvalCallback', 'add_default_callbacks', 'OneProcess', 'gathered', 'FitState',
            'TrainingStep', 'StepSetting', 'default_splitter', 'Learner', 'callback_list', 'GatherPreds',
            'softmax_over_classes', 'most_probable_class', 'above_half', 'activation_known', 'loss_activation',
-           'loss_decodes', 'clip_gradients', 'loader_length', 'SkipBatches', 'epoch_seeded', 'batch_shape',
-           'HyperParameterClash', 'check_fit_args', 'sharded_like', 'shards_of', 'opt_shards_of', 'state_for',
-           'check_state_matches', 'new_optimizer', 'optimizer_with_state', 'restore_training_state', 'saved_file',
-           'remove_saved', 'save_in_shards', 'load_shards', 'in_shards', 'empty_to_load', 'tensors_to_load',
-           'load_in_shards', 'check_pad', 'whole_tensor', 'rows_through_host', 'EventLog']
+           'loss_decodes', 'clip_gradients', 'loader_length', 'SkipBatches', 'epoch_seeded', 'end_workers',
+           'batch_shape', 'HyperParameterClash', 'check_fit_args', 'sharded_like', 'shards_of', 'opt_shards_of',
+           'state_for', 'check_state_matches', 'new_optimizer', 'optimizer_with_state', 'restore_training_state',
+           'saved_file', 'remove_saved', 'save_in_shards', 'load_shards', 'in_shards', 'empty_to_load',
+           'tensors_to_load', 'load_in_shards', 'check_pad', 'whole_tensor', 'rows_through_host', 'EventLog']
 
 # %% ../nbs/04_learner.ipynb #c004
 class CancelBatchException(Exception):
@@ -1016,6 +1017,11 @@ def epoch_seeded(dl):
         # the workers' first seed is drawn once, from a generator of its own: the loader's draws stay the same per epoch
         generator=torch.Generator().manual_seed(0), prefetch_factor=dl.prefetch_factor, persistent_workers=True)
 
+def end_workers(dl):
+    "Stop the worker processes of `dl`'s persistent iterator, if it has one, and wait for them to exit."
+    iterator = getattr(dl, '_iterator', None)  # torch's: its workers stop as it is deleted, if its queues still work
+    if iterator is not None: iterator._shutdown_workers()
+
 def _keeps_worker_streams(dl):
     "Whether `dl`'s workers live from one epoch to the next, with random streams that a checkpoint cannot save."
     return (isinstance(dl, torch.utils.data.DataLoader) and dl.persistent_workers and dl.num_workers > 0
@@ -1029,7 +1035,12 @@ def training_loader(self:FitState, dl):
     self._epoch_start = {'epoch': self.epoch, 'loader': [g.get_state() for g in loader_generators(dl)],
                          'rng': rng_states()}
     if _keeps_worker_streams(dl):  # persistent workers: their streams start from each epoch's seed (see above)
-        if self._seeded is None or self._seeded[0] is not dl: self._seeded = (dl, epoch_seeded(dl))
+        if self._seeded is None or self._seeded[0] is not dl:
+            if self._seeded is not None: self._seeded[2]()  # the workers of the loader rebuilt for another: stopped
+            rebuilt = epoch_seeded(dl)
+            # stopped before the fit's state is collected: collected with it, in a cycle, their queues may go first,
+            # and each worker would be left to torch's 5 s wait and killed
+            self._seeded = (dl, rebuilt, weakref.finalize(self, end_workers, rebuilt))
         dl = self._seeded[1]
     self._boundary = (self.train_iter, self._epoch_start['rng'])
     if not resumed: return dl, 0

@@ -4,10 +4,13 @@ Each test here is a defect that the earlier design had (the state spread over ca
 interrupted and resumed equals the fit that never stopped, bit for bit, in float64.
 """
 import csv
+import gc
 import io
+import multiprocessing
 import os
 import random
 import signal
+import threading
 import warnings
 from contextlib import redirect_stdout
 
@@ -127,6 +130,24 @@ def test_persistent_workers_with_augmentation_resume_exactly(tmp_path, at):
     whole.fit(3)
     _, resumed = interrupted_and_resumed(at, tmp_path, **args)  # 5: from the second epoch's end; 6: in its middle
     assert same_fit(resumed, whole)
+
+
+@pytest.mark.slow
+def test_the_persistent_workers_of_a_learner_exit_when_it_is_collected(monkeypatch):
+    "Collected with the learner (a cycle), their queues could go first: each worker stopped only after torch's wait."
+    # torch waits this long for a worker that did not hear it should stop (5 s each): here past the test's time limit
+    monkeypatch.setattr(torch.utils.data._utils, 'MP_STATUS_CHECK_INTERVAL', 3600.)
+    before = set(multiprocessing.active_children())
+    learn = learner(dataset=TorchAugmented, loader_args=dict(num_workers=2, persistent_workers=True))
+    learn.fit(1)
+    workers, held, collected = set(multiprocessing.active_children()) - before, [learn], threading.Event()
+    del learn
+    def collect():
+        held.clear()
+        gc.collect()  # returns once the workers have ended (torch's own wait, in a finalizer, swallows a test's timeout)
+        collected.set()
+    threading.Thread(target=collect, daemon=True).start()
+    assert collected.wait(60) and len(workers) == 2 and not any(w.is_alive() for w in workers)  # 60 s: a net for a hang
 
 
 def test_a_float64_fit_is_recorded_in_float64():

@@ -591,6 +591,17 @@ def test_a_resume_with_another_schedule_is_refused_before_the_fit_with_the_call_
     assert_unchanged(learn, before)
 
 
+def test_a_resume_with_other_rates_per_group_names_both_lists(tmp_path):
+    "A one-cycle fit with a slice of rates (one per group), resumed with another slice: the message shows both."
+    learn = scheduled_learner('one_cycle_slice')
+    with pytest.raises(KeyboardInterrupt):
+        learn.fit_one_cycle(4, lr_max=slice(1e-3, 1e-2), cbs=[Checkpoint(tmp_path), CtrlCAt(2, 5)])
+    again = scheduled_learner('one_cycle_slice')
+    with pytest.raises(ValueError) as refused: again.fit_one_cycle(4, lr_max=slice(1e-3, 2e-2), resume=tmp_path / 'interrupted.pt')
+    assert re.search(r"in 'lr' at training batch 0 \(\[[\d.e-]+, [\d.e-]+, [\d.e-]+\] in the checkpoint's fit, "
+                     r"\[[\d.e-]+, [\d.e-]+, [\d.e-]+\] here\)", str(refused.value)), str(refused.value)
+
+
 def test_a_schedule_is_refused_for_a_fit_that_had_none(tmp_path):
     plain = scheduled_learner('one_cycle')
     with pytest.raises(KeyboardInterrupt): plain.fit(4, cbs=[Checkpoint(tmp_path), CtrlCAt(2, 5)])

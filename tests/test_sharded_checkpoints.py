@@ -272,8 +272,11 @@ def interrupted_mid_epoch_in_shards(folder):
     raise AssertionError("the Ctrl-C did not stop the fit")
 
 
-def fit_into_a_folder_of_each_node(folder):
+def fit_into_a_folder_of_each_node(folder, stale=False):
     "A checkpoint folder that each rank sees apart (two machines without a shared folder): the fit is refused."
+    if stale and process_rank() == 1:  # what an earlier check, cut short, left in rank 1's own folder: not rank 0's file
+        (folder / 'node1').mkdir(parents=True)
+        (folder / 'node1' / '.written-by-rank-0').write_text('0')
     learn = learner('sgd_momentum', Checkpoint(folder / f'node{process_rank()}', sharded=True))
     try: fit(learn)
     except ValueError as e: return str(e), learn.train_iter, len(learn.recorder.losses)
@@ -286,6 +289,8 @@ def test_a_sharded_checkpoint_folder_that_the_ranks_do_not_share_is_refused_befo
         assert "rank 1 of 2 did not find the file rank 0 wrote into the checkpoint folder" in message
         assert 'a folder that all of them share' in message and steps == losses == 0
     assert os.listdir(tmp_path) == ['node0'] and not os.listdir(tmp_path / 'node0')  # rank 0's file is gone
+    for message, steps, losses in run_ranks(fit_into_a_folder_of_each_node, tmp_path / 'stale', True, **FORK):
+        assert "rank 1 of 2 did not find the file rank 0 wrote" in message and steps == losses == 0
 
 
 @pytest.mark.ranks

@@ -1,6 +1,6 @@
 """Data-parallel training on two CPU processes (gloo): exact equality with one process and the doubled batch, reduced
 validation, NaN capture, checkpoints and Ctrl-C, and a rank that fails. The processes are forked from the test process
-(started in a fraction of a second); the failing rank and the notebook use `spawn`."""
+(started in a fraction of a second); the failing rank and the notebook use `forkserver` (and `spawn`)."""
 import math
 import os
 import signal
@@ -316,10 +316,22 @@ def crash_on_rank_one():
     return digits_fit(32, 0.1, 2, SGD_MOM, cbs=[Crash(1, 3)])
 
 
-def test_a_rank_that_raises_stops_the_others_with_a_clear_error():
+@pytest.mark.parametrize('start_method', ['forkserver', 'spawn'])  # the two a notebook may use
+def test_a_rank_that_raises_stops_the_others_with_a_clear_error(start_method):
     with pytest.raises(RankFailed, match=r"rank 1 of 2 raised ValueError: rank 1 broke at step 3") as failed:
-        run_ranks(crash_on_rank_one, world_size=2, timeout=120)  # spawned, as from a notebook
+        run_ranks(crash_on_rank_one, world_size=2, timeout=120, start_method=start_method)
     assert 'Traceback' in str(failed.value)
+
+
+def environment_variable(name): return os.environ.get(name)
+
+
+def test_the_ranks_get_the_environment_of_the_moment_they_start(monkeypatch):
+    "A forkserver's processes fork from a server started earlier, whose variables are older: they still get today's."
+    run_ranks(environment_variable, 'TEACHLOOP_SET_LATER', world_size=2, timeout=120)  # the server runs from here on
+    monkeypatch.setenv('TEACHLOOP_SET_LATER', 'set after the first call')
+    assert run_ranks(environment_variable, 'TEACHLOOP_SET_LATER', world_size=2, timeout=120) == \
+        ['set after the first call'] * 2
 
 
 def raise_and_live_on(folder):

@@ -773,9 +773,10 @@ def free_port():
         s.bind(('127.0.0.1', 0))
         return s.getsockname()[1]
 
-def _run_rank(rank, world_size, port, backend, timeout, threads, interruptible, fn, args, results):
+def _run_rank(rank, world_size, port, backend, timeout, threads, interruptible, environ, fn, args, results):
     "What each process of `run_ranks` runs: join the group, run `fn(*args)`, send its result back."
     if interruptible: signal.signal(signal.SIGINT, signal.default_int_handler)  # a Ctrl-C stops a fit as in the notebook
+    os.environ.clear(); os.environ.update(environ)  # the caller's, now (a forkserver's children inherit its own, older)
     os.environ.update(MASTER_ADDR='127.0.0.1', MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
@@ -812,7 +813,7 @@ def run_ranks(fn,  # a function importable by a new process (defined in a module
               timeout=300.,  # seconds they may take in all, and that a collective may wait
               threads=None,  # torch threads per process; None: this process's threads shared out
               grace=60.,  # seconds the processes get to stop after a Ctrl-C (and write their checkpoint)
-              start_method='spawn',  # 'spawn' (new interpreters: safe in a notebook) or 'fork' (quicker, from a script)
+              start_method='forkserver',  # 'forkserver' or 'spawn' (safe in a notebook), or 'fork' (from a script)
              ):
     """Run `fn(*args)` in `world_size` new processes of this machine that train together; return their results, by rank.
 
@@ -824,13 +825,16 @@ def run_ranks(fn,  # a function importable by a new process (defined in a module
         timeout: seconds they may take in all, and that a collective may wait
         threads: torch threads per process; None: this process's threads shared out
         grace: seconds the processes get to stop after a Ctrl-C (and write their checkpoint)
-        start_method: 'spawn' (new interpreters: safe in a notebook) or 'fork' (quicker, from a script)
+        start_method: 'forkserver' or 'spawn' (safe in a notebook), or 'fork' (from a script)
     """
     threads = threads or max(1, torch.get_num_threads() // world_size)
     interruptible = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    if start_method == 'forkserver':
+        if start_method not in mp.get_all_start_methods(): start_method = 'spawn'  # (Windows)
+        else: mp.set_forkserver_preload(['torch'])  # its server imports torch once; later calls start in a blink
     results = mp.get_context(start_method).SimpleQueue()
-    context = mp.start_processes(_run_rank, nprocs=world_size, join=False, start_method=start_method,
-                                 args=(world_size, free_port(), backend, timeout, threads, interruptible, fn, args, results))
+    each = (world_size, free_port(), backend, timeout, threads, interruptible, dict(os.environ), fn, args, results)
+    context = mp.start_processes(_run_rank, nprocs=world_size, join=False, start_method=start_method, args=each)
     found, errors, deadline = {}, {}, time.monotonic() + timeout
     def collect():
         while not results.empty():

@@ -473,7 +473,8 @@ def __call__(self:Learner, event: str) -> None:
     for handler in self._events[event]:
         self._running = handler  # who writes a hyper-parameter, should one be written now (under the hood)
         try: handler()
-        except CANCEL_EXCEPTIONS: raise
+        except CANCEL_EXCEPTIONS as e:  # several processes agree on a callback's cancel first (under the hood)
+            if not self.step.takes_cancel(e, event, handler): raise
         except Exception as e:
             _add_note(e, f"(raised in {_handler_owner(handler)}.{event})")
             raise
@@ -956,6 +957,12 @@ def stop_due(self:TrainingStep, requested, epoch_end=False):
 def defer_interrupt(self:TrainingStep, pending):
     "Whether a Ctrl-C held during a batch waits for the other processes (True) instead of stopping this one now."
     return self.parallel is not None and self.parallel.defer_interrupt(pending)
+
+@patch
+def takes_cancel(self:TrainingStep, cancel, event, handler):
+    "Whether a callback's `cancel` waits for the other processes (True) instead of ending this one's part of the fit now."
+    if self.parallel is None or isinstance(getattr(handler, '__self__', None), StepSetting): return False  # in step
+    return self.parallel.takes_cancel(cancel, event)
 
 # %% ../nbs/04_learner.ipynb #fsu02
 def loader_length(dl):

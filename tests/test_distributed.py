@@ -21,7 +21,8 @@ from teachloop.callback.distributed import (GlobalBatchNorm, RankFailed, batch_n
                                    nan_on_one_rank, run_ranks, shard_dls)
 from teachloop.diagnostics.effective_lr import EffectiveLRTracker
 from teachloop.callback.faults import TerminateOnNaN
-from teachloop.learner import CancelBackwardException, CancelBatchException, Callback, Learner
+from teachloop.learner import (CancelBackwardException, CancelBatchException, CancelEpochException, CancelFitException,
+                               CancelTrainException, Callback, Learner)
 from teachloop.callback.nan_capture import NaNCapture, replay_nan
 from teachloop.optim.core import SGD, Adam
 from teachloop.random_state import set_seed
@@ -321,6 +322,39 @@ def test_a_rank_that_raises_stops_the_others_with_a_clear_error(start_method):
     with pytest.raises(RankFailed, match=r"rank 1 of 2 raised ValueError: rank 1 broke at step 3") as failed:
         run_ranks(crash_on_rank_one, world_size=2, timeout=120, start_method=start_method)
     assert 'Traceback' in str(failed.value)
+
+
+class CancelInOneRank(Callback):
+    "Raise `cancel` in rank 1's `event` at its training step `at` (the first epoch's)."
+    def __init__(self, cancel, event, at=3): self.cancel, self.event, self.at = cancel, event, at
+    def _maybe(self, event):
+        if self.training and event == self.event and self.train_iter == self.at and process_rank() == 1: raise self.cancel()
+    def after_loss(self): self._maybe('after_loss')
+    def after_batch(self): self._maybe('after_batch')
+
+
+def cancel_in_one_rank(cancel, event):
+    learn = digits_learner_fp32(CancelInOneRank(cancel, event))
+    with learn.distributed():
+        learn.fit(2)
+        n_iter = len(learn.dls.train)  # this rank's shard
+    return {'steps': learn.train_iter, 'rows': [row[:3] for row in learn.recorder.values], 'n_iter': n_iter,
+            'weights': {k: v.clone() for k, v in learn.model.state_dict().items()}}
+
+
+@pytest.mark.parametrize('cancel, event', [(CancelFitException, 'after_loss'), (CancelEpochException, 'after_loss'),
+                                           (CancelTrainException, 'after_batch')])
+def test_a_cancel_raised_in_one_rank_is_agreed_by_every_rank_after_the_same_batch(cancel, event):
+    "Rank 1 alone cancels at its step 3: the request rides with the next message (8 steps apart at most), and every"
+    " rank then cancels the same after the same batch, with the same weights."
+    rank0, rank1 = run_ranks(cancel_in_one_rank, cancel, event, **FORK)
+    assert rank0['steps'] == rank1['steps'] and str(rank0['rows']) == str(rank1['rows'])  # (nan: not validated)
+    assert all(torch.equal(rank0['weights'][k], rank1['weights'][k]) for k in rank0['weights'])
+    n_iter, steps, rows = rank0['n_iter'], rank0['steps'], rank0['rows']
+    if cancel is CancelFitException: assert 3 < steps <= 3 + 1 + 8 and len(rows) <= 1  # stopped in the first epoch
+    else: assert n_iter + 3 < steps <= n_iter + 3 + 1 + 8 and len(rows) == 2  # the first epoch cut short, the second whole
+    if cancel is CancelEpochException: assert math.isnan(rows[0][2])  # the cut epoch was not validated
+    if cancel is CancelTrainException: assert not math.isnan(rows[0][2])  # its training cut short, the epoch was
 
 
 def environment_variable(name): return os.environ.get(name)

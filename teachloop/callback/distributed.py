@@ -32,7 +32,7 @@ from ..core import check_count, process_count, process_rank, several_processes
 from ..data import DataLoaders, digits_cnn, load_digits_tensors, tensor_dls
 from .faults import TerminateOnNaN
 from contextlib import nullcontext
-from ..learner import (ONE_PROCESS, Callback, CancelFitException, Learner, StepSetting, _map_tensors, gathered,
+from ..learner import (ONE_PROCESS, Callback, CancelEpochException, CancelFitException, CancelTrainException, Learner, StepSetting, _map_tensors, gathered,
                                opt_shards_of, shards_of)
 from .nan_capture import NaNCapture
 from ..optim.core import SGD, _sharded
@@ -40,12 +40,13 @@ from ..random_state import set_seed
 from .schedule import LRFinder, fit_one_cycle  # the import adds `Learner.fit_one_cycle`, which `digits_fit` uses
 
 # %% auto #0
-__all__ = ['STRATEGIES', 'init_distributed', 'all_reduce_demo', 'ShardSampler', 'check_shardable', 'shard_loader', 'shard_dls',
-           'sum_over_processes', 'any_process', 'ProcessGroup', 'check_world', 'DistributedTrainer', 'digits_fit',
-           'digits_bn_cnn', 'RanksDisagree', 'check_same_data', 'group_store', 'is_sharded', 'shard_model',
-           'drop_gathered', 'gradients_kept_unsharded', 'local_bytes', 'bytes_held', 'DifferentiableSum',
-           'global_moments', 'GlobalBatchNorm', 'batch_norm_layers', 'check_batch_norms', 'synced_copy',
-           'swap_batch_norms', 'PoisonBatch', 'nan_on_one_rank', 'free_port', 'RankFailed', 'run_ranks']
+__all__ = ['BATCH_EVENTS', 'AGREED_CANCELS', 'STRATEGIES', 'init_distributed', 'all_reduce_demo', 'ShardSampler',
+           'check_shardable', 'shard_loader', 'shard_dls', 'sum_over_processes', 'any_process', 'ProcessGroup',
+           'check_world', 'DistributedTrainer', 'digits_fit', 'digits_bn_cnn', 'RanksDisagree', 'check_same_data',
+           'group_store', 'is_sharded', 'shard_model', 'drop_gathered', 'gradients_kept_unsharded', 'local_bytes',
+           'bytes_held', 'DifferentiableSum', 'global_moments', 'GlobalBatchNorm', 'batch_norm_layers',
+           'check_batch_norms', 'synced_copy', 'swap_batch_norms', 'PoisonBatch', 'nan_on_one_rank', 'free_port',
+           'RankFailed', 'run_ranks']
 
 # %% ../../nbs/15_distributed.ipynb #c005
 def init_distributed(backend=None,  # 'gloo' (CPUs) or 'nccl' (GPUs); None: nccl when there is a GPU, else gloo
@@ -434,6 +435,7 @@ def _reset_messages(self:DistributedTrainer):
     # its way through the host's group (nccl)
     self._losses, self._counted, self._here = [], None, False
     self._stop_here, self._stop_agreed = False, False  # a stop request (a dashboard's button) in this rank, in all
+    self._cancel_here = self._cancel_agreed = 0  # a callback's cancel of the training phase (1) or epoch (2): here, in all
     self._sent, self._outgoing, self._incoming, self._flag = [], None, None, None
 
 @patch
@@ -452,14 +454,16 @@ def after_batch(self:DistributedTrainer):
     self._hold_interrupt(learn.interrupts)
     if learn.loss is not None and learn.loss is not self._counted: self._losses.append(learn.loss)  # no backward came
     stop = self._receive() if self._sent else False
-    if learn.iter == learn.n_iter - 1 and learn.epoch == learn.n_epoch - 1:
-        # no message follows the fit's last step: a Ctrl-C that came after its message had left is sent now
+    if learn.iter == learn.n_iter - 1:
+        # no message follows an epoch's last step: a Ctrl-C or a cancel that came after its message had left goes now
         self._send()
         stop = self._receive() or stop
     if stop: learn.interrupts.pending = self._agreed  # in every rank, after this same batch
 
 @patch
-def after_train(self:DistributedTrainer): self._flush()  # a training phase cut short: its last losses too
+def after_train(self:DistributedTrainer):
+    self._flush()  # a training phase cut short: its last losses too
+    self._cancel_agreed = 0  # the phase it would have cut is over
 
 @patch
 def after_fit(self:DistributedTrainer):
@@ -511,7 +515,27 @@ def stop_due(self:DistributedTrainer, requested, epoch_end=False):
     "Whether every rank stops now: a stop `requested` here goes with the next message; at an epoch's end the ranks agree at once."
     if requested: self._stop_here = True
     if epoch_end and not self._stop_agreed: self._stop_agreed = any_process(requested, self._host())
+    if self._cancel_agreed and not self._stop_agreed and not epoch_end and self.learn.training:
+        cancel, self._cancel_agreed = AGREED_CANCELS[self._cancel_agreed], 0
+        raise cancel()  # in every rank, after the same batch
     return self._stop_agreed
+
+# The events of a training batch, where each rank's callbacks run on its own batch
+BATCH_EVENTS = {'before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step',
+                'after_step', 'after_batch', 'after_cancel_backward', 'after_cancel_step', 'after_cancel_batch'}
+AGREED_CANCELS = (None, CancelTrainException, CancelEpochException)  # the flag's values, what every rank then raises
+
+@patch
+def takes_cancel(self:DistributedTrainer, cancel, event):
+    "A callback's cancel of the fit, the training phase or the epoch in a fit of several processes: agreed after a batch."
+    if not self.distributed or self.world_size == 1 or event.endswith('_fit'): return False
+    if isinstance(cancel, CancelFitException):
+        self.learn.stop()  # every rank stops after the same batch (or at this epoch's end)
+        return True
+    if not (self.learn.training and event in BATCH_EVENTS): return False  # the epoch's events: every rank hears them
+    level = 2 if isinstance(cancel, CancelEpochException) else 1 if isinstance(cancel, CancelTrainException) else 0
+    if level: self._cancel_here = max(self._cancel_here, level)  # with the next message
+    return bool(level)  # a batch's, backward's or step's cancel is for every rank to raise alike (see above)
 
 # %% ../../nbs/15_distributed.ipynb #u13
 @patch
@@ -519,8 +543,11 @@ def _send(self:DistributedTrainer):
     "Hand this step's gradients the losses since the last message and whether a Ctrl-C came (nccl: the flag goes by the host)."
     self._sent, self._losses = self._losses, []
     losses = torch.stack(self._sent) if self._sent else torch.zeros(0)  # none: the Ctrl-C flag alone
-    flag = torch.tensor([float(self._here), float(self._stop_here)])  # a Ctrl-C, a stop request
+    # a Ctrl-C, a stop request, a callback's cancel of the training phase, of the epoch
+    flag = torch.tensor([float(self._here), float(self._stop_here), float(self._cancel_here == 1),
+                         float(self._cancel_here == 2)])
     self._here = self._stop_here = False
+    self._cancel_here = 0
     if self._host_group is None: self._outgoing = torch.cat([losses, flag.to(losses)])  # gloo: one message carries both
     else:  # the losses stay on their GPU (no wait for them), the flag is a host value
         self._outgoing, self._flag = losses, (flag, dist.all_reduce(flag, group=self._host_group, async_op=True))
@@ -532,14 +559,15 @@ def _receive(self:DistributedTrainer):
     if incoming is None:  # no backward carried the message (its step ended before, in every rank): on its own, now
         incoming, self._outgoing = self._outgoing.div_(self.world_size), None
         if len(incoming): dist.all_reduce(incoming)  # (nccl with the flag alone: nothing for the GPUs to sum)
-    if self._flag is None: losses, flag = incoming[:-2], incoming[-2:]
+    if self._flag is None: losses, flag = incoming[:-4], incoming[-4:]
     else:
         (flag, work), losses, self._flag = self._flag, incoming, None
         work.wait()
     for kept, mean in zip(self._sent, losses.unbind()): kept.copy_(mean)  # the tensors the Recorder holds
     self._sent = []
-    interrupted, stop = (bool(f > 0) for f in flag.tolist())
+    interrupted, stop, cut_train, cut_epoch = (bool(f > 0) for f in flag.tolist())
     self._stop_agreed = self._stop_agreed or stop  # the next batch is cancelled, then the fit, in every rank
+    self._cancel_agreed = max(self._cancel_agreed, 2 if cut_epoch else 1 if cut_train else 0)
     return interrupted
 
 @patch

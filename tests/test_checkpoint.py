@@ -196,6 +196,30 @@ def test_a_checkpoint_written_after_a_fit_stopped_inside_a_batch_is_refused_for_
     assert weights_equal(fresh, learn)
 
 
+class CtrlCInValidation(Callback):
+    "Raise KeyboardInterrupt after validation batch 2 of epoch `epoch`, as a Ctrl-C would."
+    def __init__(self, epoch): self.at = epoch
+    def after_batch(self):
+        if not self.training and self.epoch == self.at and self.iter == 2: raise KeyboardInterrupt
+
+
+def test_a_ctrl_c_during_a_validation_keeps_the_weights_and_the_fit_goes_on_from_the_last_epochs_end(tmp_path, capsys):
+    "The interrupted validation's row would be incomplete: its file is for the weights, latest.pt for the resume."
+    whole = digits_learner()
+    whole.fit(2)
+    stopped = digits_learner()
+    with pytest.raises(KeyboardInterrupt): stopped.fit(2, cbs=[Checkpoint(tmp_path), CtrlCInValidation(1)])
+    said = capsys.readouterr().out
+    assert 'interrupted during a validation' in said and 'latest.pt the end of its last epoch, to resume from' in said
+    fresh = digits_learner(seed=1)
+    with pytest.raises(ValueError, match='during the validation of epoch 1'):
+        fresh.fit(2, resume=tmp_path / 'interrupted.pt')
+    fresh.load_checkpoint(tmp_path / 'interrupted.pt')
+    assert weights_equal(fresh, stopped)
+    fresh.fit(2, resume=tmp_path / 'latest.pt')
+    assert weights_equal(fresh, whole) and history(fresh)[0] == history(whole)[0]
+
+
 def test_interrupted_checkpoint_only_when_the_fit_did_not_end_and_no_step_was_left_half_done(tmp_path):
     learn = digits_learner()
     learn.fit(1, cbs=[Checkpoint(tmp_path)])

@@ -1,5 +1,6 @@
 "Parity of teachloop's callback optimizers with torch.optim, and the checks on their hyper-parameters."
 import copy
+import io
 from functools import partial
 
 import pytest
@@ -123,7 +124,7 @@ def test_slice_spreads_geometrically_either_way():
     assert spread_hyper(slice(1e-2), 3) == pytest.approx([1e-3, 1e-3, 1e-2])
 
 
-@pytest.mark.parametrize('fast', ['yes', 'auto', 2])
+@pytest.mark.parametrize('fast', ['yes', 'auto', 2, 0, 1.0])  # 0 == False, 1.0 == True: neither is one
 def test_bad_fast_choice_raises(fast):
     with pytest.raises(TypeError, match='fast must be'): Adam(torch.nn.Linear(2, 1).parameters(), lr=1e-3, fast=fast)
 
@@ -204,6 +205,20 @@ def test_torchs_momentum_cycling_schedulers_drive_our_optimizers(ours, theirs, f
 
 
 # ---- what the optimizer checks and fills in by itself (tests found missing by mutation testing, tools/mutate.py)
+
+@pytest.mark.parametrize('make, name', [(partial(Adam, lr=1e-3), 'betas'),
+                                        (partial(SGD, lr=1e-3, mom=0.9), 'momentum')])
+def test_an_optimizer_saved_whole_or_copied_still_follows_torchs_momentum_name(make, name):
+    "A scheduler of torch's writes `betas` or `momentum` (OneCycleLR's cycle_momentum), also into a loaded or copied one."
+    buffer = io.BytesIO()
+    torch.save(make(double_model().parameters()), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)  # (every string in it a new object: pickle does not intern them)
+    copied = copy.deepcopy(make(double_model().parameters()))
+    for opt in (loaded, copied):
+        opt.param_groups[0][name] = (0.7, 0.99) if name == 'betas' else 0.7
+        assert opt.hypers[0]['mom'] == 0.7 and opt.param_groups[0][name] == ((0.7, 0.99) if name == 'betas' else 0.7)
+
 
 @pytest.mark.float32
 def test_rmsprop_at_its_defaults_is_torchs_rmsprop_at_its_defaults():

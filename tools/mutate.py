@@ -10,11 +10,14 @@
 2. a fixed random sample of them (`--sample` per module, drawn with `--seed`; `--sample 0`: all) is tried, each in a
    scratch copy of the working tree (the checkout itself is never changed), against the tests of the module's test
    files that ran the mutated function (or class) in one coverage run of those files, where each test is its own
-   coverage context; fastest first, at most `--cap` seconds of them as timed in that run, stopping at the first
-   failure. A mutant in code that no test runs survives without a run;
+   coverage context (the processes a test starts, torch.distributed's ranks, record under its context too); fastest
+   first, at most `--cap` seconds of them as timed in that run, stopping at the first failure. A mutant in code that
+   no test runs survives without a run;
 3. the report gives each module's score (killed / tried, with its 95% interval: the sample's uncertainty), the
-   survivors with their diffs, and how long it all took. cosmic-ray's sessions stay in `.mutation/`, where
-   `cr-report .mutation/<module>.sqlite` reads them (its rate counts the mutants left out of the sample as done).
+   survivors with their diffs, and how long it all took. A survivor that `EQUIVALENTS` (tools/equivalent_mutants.toml)
+   lists, with the reason why no test can tell it from the code, is reported apart and left out of the score.
+   cosmic-ray's sessions stay in `.mutation/`, where `cr-report .mutation/<module>.sqlite` reads them (its rate counts
+   the mutants left out of the sample as done).
 """
 import argparse
 import ast
@@ -34,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import warnings
 from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor, as_completed
@@ -56,17 +60,20 @@ MODULES = {
                                 'tests/test_differential.py', 'tests/test_optimizer_contracts.py'],
     'teachloop/optim/fast.py': ['tests/test_fast_optimizers.py', 'tests/test_optimizer_contracts.py'],
     'teachloop/learner.py': ['tests/test_learner.py', 'tests/test_fit_state.py', 'tests/test_callbacks.py',
-                             'tests/test_callback_contracts.py', 'tests/test_sharded_checkpoints.py'],
+                             'tests/test_callback_contracts.py', 'tests/test_sharded_checkpoints.py',
+                             'tests/test_distributed.py'],
     'teachloop/callback/core.py': ['tests/test_callbacks.py', 'tests/test_learner.py',
                                    'tests/test_callback_contracts.py'],
     'teachloop/callback/faults.py': ['tests/test_faults.py', 'tests/test_callback_contracts.py'],
     'teachloop/callback/checkpoint.py': ['tests/test_checkpoint.py', 'tests/test_fit_state.py', 'tests/test_callback_contracts.py',
-                                         'tests/test_optimizer_contracts.py', 'tests/test_sharded_checkpoints.py'],
+                                         'tests/test_optimizer_contracts.py', 'tests/test_sharded_checkpoints.py',
+                                         'tests/test_distributed.py'],
     'teachloop/callback/nan_capture.py': ['tests/test_nan_capture.py', 'tests/test_callback_contracts.py'],
     'teachloop/inference.py': ['tests/test_inference.py'],
 }
 
 UNTESTED = "no test of the module's test files runs this code"
+EQUIVALENTS = Path(__file__).with_name('equivalent_mutants.toml')  # survivors that behave as the code does, and why
 SESSIONS = ROOT / '.mutation'  # cosmic-ray's session files (ignored by git)
 REPORT = ROOT / 'bench' / 'results' / 'mutation-report.md'
 
@@ -89,6 +96,27 @@ class Mutant:
 
     @property
     def label(self): return f"{self.spec.operator_name} #{self.spec.occurrence}"
+
+    @property
+    def survived(self): return self.result.test_outcome == TestOutcome.SURVIVED
+
+    def changed_lines(self):
+        "The lines the mutant takes out and puts in, stripped: what `EQUIVALENTS` matches (line numbers move)."
+        diff = self.result.diff.splitlines()
+        return ([l[1:].strip() for l in diff if l.startswith('-') and not l.startswith('---')],
+                [l[1:].strip() for l in diff if l.startswith('+') and not l.startswith('+++')])
+
+
+def equivalent_reasons(path=EQUIVALENTS):
+    "{(module, lines taken out, lines put in): why the mutant behaves as the code does} from the listed equivalents."
+    listed = tomllib.loads(path.read_text())['equivalent'] if path.exists() else []
+    return {(e['module'], tuple(e['removed']), tuple(e['added'])): e['reason'] for e in listed}
+
+
+def equivalence(mutant, reasons):
+    "The reason `mutant` is listed as equivalent, or None."
+    removed, added = mutant.changed_lines()
+    return reasons.get((mutant.module, tuple(removed), tuple(added)))
 
 
 # ---- the scratch copies and the subprocesses that run pytest in them
@@ -128,9 +156,11 @@ PYTEST_ARGS = ['-q', '-p', 'no:cacheprovider', '-p', 'mutation_contexts', '-n', 
 
 
 def coverage_run(copy, test_file):
-    "Run `test_file` in `copy` under coverage, every Python subprocess too, each test in its own context."
+    "Run `test_file` in `copy` under coverage, every Python subprocess and process too, each test in its own context."
     rc = copy / '.mutation-rc'
+    # a process that a test starts (run_ranks's ranks) records under that test's node id, its static context
     rc.write_text(f"[run]\nsource = {copy / 'teachloop'}\nparallel = true\npatch = subprocess\n"
+                  f"concurrency = thread,multiprocessing\ncontext = ${{MUTATION_CONTEXT}}\n"
                   f"data_file = {copy / '.mutation-coverage'}\n")
     times = copy / f".mutation-times-{Path(test_file).stem}.json"
     subprocess.run([sys.executable, '-m', 'coverage', 'run', '--rcfile', str(rc), '-m', 'pytest', *PYTEST_ARGS,
@@ -397,11 +427,12 @@ def wilson(killed, n, z=1.96):
     return ((centre - half) / (1 + z * z / n), (centre + half) / (1 + z * z / n))
 
 
-def module_row(module, counts, mutants):
+def module_row(module, counts, mutants, reasons):
     "The report's line of one module."
     tried = [m for m in mutants if m.result.worker_outcome == WorkerOutcome.NORMAL]
     killed = [m for m in tried if m.result.test_outcome == TestOutcome.KILLED]
-    survived = [m for m in tried if m.result.test_outcome == TestOutcome.SURVIVED]
+    equivalent = [m for m in tried if m.survived and equivalence(m, reasons)]
+    survived = [m for m in tried if m.survived and m not in equivalent]
     untested = [m for m in survived if m.note == UNTESTED]
     timeouts = [m for m in killed if m.note.startswith('timed out')]
     incompetent = [m for m in tried if m.result.test_outcome == TestOutcome.INCOMPETENT]
@@ -409,20 +440,23 @@ def module_row(module, counts, mutants):
     low, high = wilson(len(killed), scored)
     score = f"{len(killed) / scored:.0%}" if scored else '-'
     return (f"| `{module}` | {counts['mutants']} | {counts['annotations']} | {counts['invalid']} | {len(tried)} "
-            f"| {len(killed)} | {len(survived) - len(untested)} | {len(untested)} | {len(timeouts)} | {len(incompetent)} "
+            f"| {len(killed)} | {len(survived) - len(untested)} | {len(untested)} | {len(equivalent)} | {len(timeouts)} "
+            f"| {len(incompetent)} "
             f"| **{score}** | {low:.0%}-{high:.0%} | {sum(m.seconds for m in mutants) / 60:.1f} min |")
 
 
-def survivor_entry(mutant):
-    "Where a surviving mutant is, what it ran, and its diff."
+def survivor_entry(mutant, reason=None):
+    "Where a surviving mutant is, what it ran, its diff, and why it is equivalent where it is listed so."
     how = mutant.note or (f"survived {len(mutant.tests)} tests" + (' (capped)' if mutant.capped else '')
                           + f" in {mutant.seconds:.1f} s")
     scope = f" in `{mutant.scope}`" if mutant.scope else ' at module level'
-    return f"- line {mutant.line}{scope}, {mutant.label}: {how}\n\n```diff\n{mutant.result.diff.rstrip()}\n```\n"
+    why = f"\n\n  Equivalent: {reason}" if reason else ''
+    return f"- line {mutant.line}{scope}, {mutant.label}: {how}{why}\n\n```diff\n{mutant.result.diff.rstrip()}\n```\n"
 
 
 def write_report(path, args, totals, mutants, failing, durations):
-    "The Markdown report: the run, each module's score, the survivors."
+    "The Markdown report: the run, each module's score, the survivors, the equivalent mutants found."
+    reasons = equivalent_reasons()
     by_module = defaultdict(list)
     for m in mutants: by_module[m.module].append(m)
     run = [m for m in mutants if m.tests]
@@ -441,12 +475,14 @@ def write_report(path, args, totals, mutants, failing, durations):
         f"Sample: {'every mutant' if args.sample <= 0 else f'{args.sample} mutants per module, drawn with seed {args.seed}'}"
         f"; each mutant ran against the tests of its module's test files that ran its function or class (at most "
         f"{args.cap:.0f} s of them as timed in the coverage run), fastest first, up to the first failure. The score is "
-        "killed / (killed + survived); the interval is the 95% interval of the sample's score (Wilson).",
+        "killed / (killed + survived), where the survivors listed as equivalent in tools/equivalent_mutants.toml (each "
+        "with its reason, below) are left out; the interval is the 95% interval of the sample's score (Wilson).",
         "",
         "| module | mutants | in annotations (left out) | not Python (drawn, left out) | tried | killed | survived "
-        "| no test runs it (survived) | timeouts (killed) | incompetent | score | 95% interval | time |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-        *(module_row(module, totals[module], by_module[module]) for module in totals),
+        "| no test runs it (survived) | equivalent (left out) | timeouts (killed) | incompetent | score | 95% interval "
+        "| time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        *(module_row(module, totals[module], by_module[module], reasons) for module in totals),
         "",
         f"Duration: {durations['all'] / 60:.1f} min in all: the coverage run {durations['baseline'] / 60:.1f} min, the "
         f"mutants {durations['mutants'] / 60:.1f} min ({len(run)} run, "
@@ -458,9 +494,15 @@ def write_report(path, args, totals, mutants, failing, durations):
                           + ', '.join(f"`{t}`" for t in sorted(failing)), ""]
     lines += ["## Survivors", ""]
     for module in totals:
-        survivors = sorted((m for m in by_module[module] if m.result.test_outcome == TestOutcome.SURVIVED),
+        survivors = sorted((m for m in by_module[module] if m.survived and not equivalence(m, reasons)),
                            key=lambda m: m.line)
         lines += [f"### `{module}` ({len(survivors)})", "", *(survivor_entry(m) for m in survivors)]
+    lines += ["## Equivalent mutants (left out of the scores)", ""]
+    for module in totals:
+        equivalent = sorted((m for m in by_module[module] if m.survived and equivalence(m, reasons)),
+                            key=lambda m: m.line)
+        if equivalent: lines += [f"### `{module}` ({len(equivalent)})", "",
+                                 *(survivor_entry(m, equivalence(m, reasons)) for m in equivalent)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text('\n'.join(lines) + '\n')
 

@@ -1,7 +1,8 @@
 """A pytest plugin for `tools/mutate.py`: each test its own coverage context, the tests' times, and a run order.
 
 Loaded with `-p mutation_contexts` (with `tools/` on the path). Under `coverage run` it switches coverage's context to
-the test's node id around each test, so that the coverage data says which tests ran each line. With
+the test's node id around each test, so that the coverage data says which tests ran each line; the processes a test
+starts (torch.distributed's ranks) take it from `MUTATION_CONTEXT`, set for them. With
 `MUTATION_TIMES=<file>` it writes `{node id: [seconds, outcome]}` there at the end; with `MUTATION_TESTS=<file>` (node
 ids, one a line) it runs only those of the collected tests, in that order.
 """
@@ -24,9 +25,13 @@ def _coverage():
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     cov = _coverage()
-    if cov is not None: cov.switch_context(item.nodeid)
+    if cov is not None:
+        cov.switch_context(item.nodeid)
+        os.environ['MUTATION_CONTEXT'] = item.nodeid  # the context of the processes it starts (their rc file)
     yield
-    if cov is not None: cov.switch_context('')
+    if cov is not None:
+        cov.switch_context('')
+        os.environ.pop('MUTATION_CONTEXT', None)
 
 
 def pytest_runtest_logreport(report):

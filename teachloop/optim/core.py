@@ -388,7 +388,7 @@ class Optimizer(torch.optim.Optimizer):
                  fast: bool | None = None,  # multi-tensor step (notebook 08): None when one exists, True always, False never
                  **defaults: Any,  # hyper-parameters shared by all groups (`lr`, `mom`, ...)
                 ) -> None:
-        if fast not in (None, True, False):
+        if fast is not None and not isinstance(fast, bool):  # (0 and 1 are equal to False and True, not them)
             raise TypeError(f"fast must be None (fast step when there is one), True or False, got {fast!r}")
         self.cbs, self.fast, self._fast_plans, self._sorted = list(cbs), fast, {}, {}
         merged = {}
@@ -465,7 +465,8 @@ class Optimizer(torch.optim.Optimizer):
 
     def __getstate__(self):
         "What `copy.deepcopy` and `pickle` keep: torch's state plus the callbacks (the fast step is planned again)."
-        return {**super().__getstate__(), 'cbs': self.cbs, 'fast': self.fast, '_fast_plans': {}, '_sorted': {}}
+        return {**super().__getstate__(), 'cbs': self.cbs, 'fast': self.fast, 'torch_alias': self.torch_alias,
+                '_fast_plans': {}, '_sorted': {}}
 
     def clear_state(self) -> None:
         "Forget every parameter's running state (moving averages, step counts); keep settings such as `do_wd`."

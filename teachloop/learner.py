@@ -646,6 +646,7 @@ def stop(self:Learner) -> None:
 def _fit(self:Learner, n_epoch, lr, wd, cbs, reset_opt, resume):
     check_fit_args(n_epoch, lr, wd)
     _check_loaders(self.dls)
+    _check_assigned_opt(self.opt)  # one of torch's, put into `learn.opt` as it is (under the hood)
     if resume is not None: cbs = cbs + [self.resume_callback(resume, n_epoch, cbs)]
     with self.added_cbs(cbs):
         previous_opt = self.opt
@@ -1714,6 +1715,15 @@ def _check_torch_optimizer(opt_func):
     if torch_class is not None and isinstance(opt_func, partial) and opt_func.args:
         raise TypeError(f"give the arguments of {torch_class.__name__} by name in the partial (the learner passes the "
                         f"parameter groups first), got {opt_func.args}")
+
+def _check_assigned_opt(opt):
+    "Refuse an optimizer that a fit cannot set hyper-parameters of: one of torch's, put into `learn.opt` as it is."
+    if opt is None or hasattr(opt, 'set_hyper'): return
+    name = type(opt).__name__
+    kind = f"torch.optim.{name}" if getattr(torch.optim, name, None) is type(opt) else f"{type(opt).__module__}.{name}"
+    raise TypeError(f"learn.opt is a {kind} as torch made it: a fit sets hyper-parameters by teachloop's names, which it "
+                    f"does not know. Give its class instead, `learn.opt_func = {kind}` (its arguments by name in a "
+                    "`partial`) and `learn.opt = None`: the learner then makes it and wraps it in an OptimWrapper")
 
 def _learner_opt_func(opt_func):
     "`opt_func` as the learner calls it: a torch optimizer class, or a `partial` of one, put into an `OptimWrapper`."

@@ -1,5 +1,6 @@
 "The standard callbacks: what the Recorder records, BatchNorm statistics at the average, gradient accumulation."
 import copy
+import math
 import os
 import signal
 from functools import partial
@@ -25,7 +26,7 @@ from teachloop.learner import CancelBatchException, Callback, Learner
 from teachloop.optim.core import SGD, Adam
 from teachloop.random_state import rng_states, same_state, set_seed
 from teachloop.optim.recent import ScheduleFreeAdamW
-from teachloop.testing import digits_learner, tiny_learner
+from teachloop.testing import digits_learner, tiny_dls, tiny_learner
 
 
 def fitted(opt_func):
@@ -52,6 +53,17 @@ def test_recorder_records_every_hyper_of_a_torch_optimizer():
     learn = fitted(lambda params, lr: OptimWrapper(params, opt=torch.optim.SGD, lr=lr))
     assert 'mom' in learn.recorder.hps and learn.recorder.hps['lr'] == [0.1, 0.1]
 
+
+
+def test_an_epoch_without_validation_has_a_whole_row_of_nans_for_the_loss_and_each_metric(tmp_path):
+    "Every row lines up with `metric_names`, as the printed table and the CSV log read it."
+    def mae(pred, target): return (pred - target).abs().mean()
+    def mse(pred, target): return ((pred - target) ** 2).mean()
+    learn = tiny_learner(default_cbs=True, dls=tiny_dls(valid=False), metrics=[mae, mse])
+    learn.fit(2)
+    assert learn.recorder.metric_names == ['epoch', 'train_loss', 'valid_loss', 'mae', 'mse', 'time']
+    for epoch, row in enumerate(learn.recorder.values):
+        assert len(row) == 6 and row[0] == epoch and math.isfinite(row[1]) and all(map(math.isnan, row[2:5]))
 
 
 def test_plot_loss_saves_its_figure_and_smooths_by_the_fits_length(tmp_path):

@@ -285,6 +285,22 @@ def test_bad_inputs_give_clear_errors():
     learn = Learner(DataLoaders(empty, empty), nn.Linear(2, 1), F.mse_loss, default_cbs=False)
     with pytest.raises(ValueError, match='no batches'): learn.fit(1)
     with pytest.raises(ValueError, match='n_epoch'): tiny_learner().fit(0)
+    with pytest.raises(TypeError, match=r"each metric must be a function f\(pred, target\), got 'mse'"):
+        Learner(tiny_dls(), nn.Linear(2, 1), F.mse_loss, metrics=[F.l1_loss, 'mse'])
+
+
+def test_an_optimizer_torch_made_put_into_learn_opt_is_refused_before_the_fit_naming_its_class():
+    "Before: an AttributeError from inside the fit (`'SGD' object has no attribute 'set_hyper'`)."
+    learn = tiny_learner()
+    learn.opt = torch.optim.SGD(learn.model.parameters(), lr=0.1)
+    before = copy.deepcopy(learn.model.state_dict())
+    with pytest.raises(TypeError, match=r"learn.opt is a torch.optim.SGD as torch made it.*"
+                                        r"`learn.opt_func = torch.optim.SGD`"):
+        learn.fit(1)
+    assert all(torch.equal(before[k], v) for k, v in learn.model.state_dict().items())
+    learn.opt_func, learn.opt = torch.optim.SGD, None
+    learn.fit(1)  # as the message says: the learner makes it and wraps it
+    assert not all(torch.equal(before[k], v) for k, v in learn.model.state_dict().items())
 
 
 def test_shape_mismatch_names_shapes_and_changes_nothing():

@@ -291,6 +291,8 @@ def test_a_sharded_checkpoint_folder_that_the_ranks_do_not_share_is_refused_befo
     assert os.listdir(tmp_path) == ['node0'] and not os.listdir(tmp_path / 'node0')  # rank 0's file is gone
     for message, steps, losses in run_ranks(fit_into_a_folder_of_each_node, tmp_path / 'stale', True, **FORK):
         assert "rank 1 of 2 did not find the file rank 0 wrote" in message and steps == losses == 0
+    three = run_ranks(fit_into_a_folder_of_each_node, tmp_path / 'three', **{**FORK, 'world_size': 3})
+    assert all("ranks 1, 2 of 3 did not find the file rank 0 wrote" in message for message, _, _ in three)
 
 
 @pytest.mark.ranks

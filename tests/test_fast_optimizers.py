@@ -28,6 +28,7 @@ OPTIMIZERS = {
     'nesterov': partial(Nesterov, lr=0.02), 'qhadam': QHAdam, 'radam': partial(RAdam, wd=0.01), 'lamb': Lamb,
     'lars': partial(LARS, lr=1., wd=5e-4), 'larc': partial(LARC, lr=0.1, wd=5e-4, trust_coeff=0.01),
     'lion': partial(Lion, wd=0.1),
+    'qhadam_low_momentum': partial(QHAdam, mom=0.3),  # its debiasing's 1 - mom, also below 0.5
     'lookahead_adam': lambda params, fast: Lookahead(Adam(params, lr=1e-3, fast=fast)),
     'lookahead_sgd': lambda params, fast: Lookahead(SGD(params, lr=0.02, mom=0.9, fast=fast), k=3),
 }

@@ -538,6 +538,26 @@ def test_an_inference_learner_runs_no_callback_of_a_fit(trained, tmp_path):
     assert [type(cb).__name__ for cb in inference.learn.cbs] == ['TrainEvalCallback']
 
 
+@pytest.mark.parametrize('facts', [{}, {'format': 'teachloop-inference-0'}])
+def test_a_program_whose_facts_are_not_an_exports_is_refused(trained, tmp_path, facts):
+    "A torch.export archive of another writer, or of another format of ours: refused before its program is used."
+    from teachloop.inference import FACTS_FILE, read_export
+    program, real = read_export(trained.export(tmp_path / 'digits.pt2'))
+    other = {FACTS_FILE: json.dumps({**real, **facts} if facts else {})}
+    torch.export.save(program, tmp_path / 'other.pt2', extra_files=other)
+    with pytest.raises(ValueError, match='was not written by `learn.export`'): load_learner(tmp_path / 'other.pt2')
+
+
+def test_the_archive_check_reads_the_program_not_the_files_beside_it(trained, tmp_path):
+    "A JSON file an exporter kept beside the program (torch never runs it) may hold any names."
+    from teachloop.inference import FACTS_FILE, read_export
+    program, facts = read_export(trained.export(tmp_path / 'digits.pt2'))
+    extra = {FACTS_FILE: json.dumps(facts), 'notes.json': json.dumps({'target': 'my.own.notes', 'expr_str': 'os.getcwd()'})}
+    torch.export.save(program, tmp_path / 'noted.pt2', extra_files=extra)
+    noted, plain = (load_learner(tmp_path / name).get_preds(trained.dls.valid)[0] for name in ('noted.pt2', 'digits.pt2'))
+    assert torch.equal(noted, plain)
+
+
 @pytest.mark.parametrize('facts', [None, {'format': 'teachloop-inference-2', 'kind': 'weights'},
                                    {'format': 'teachloop-inference', 'kind': 'program'}])
 def test_a_weights_file_whose_facts_are_not_an_exports_is_refused(tmp_path, facts):

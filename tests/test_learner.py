@@ -303,6 +303,18 @@ def test_an_optimizer_torch_made_put_into_learn_opt_is_refused_before_the_fit_na
     assert not all(torch.equal(before[k], v) for k, v in learn.model.state_dict().items())
 
 
+def test_a_callback_ordered_before_the_others_already_sees_the_model_in_the_phases_mode():
+    "TrainEvalCallback (order -10) switches the mode first: a callback of order -5 finds it done, every epoch."
+    class Modes(Callback):
+        order = -5
+        def __init__(self): self.seen = []
+        def before_train(self): self.seen.append(('train', self.model.training))
+        def before_validate(self): self.seen.append(('valid', self.model.training))
+    modes = Modes()
+    tiny_learner(modes, default_cbs=True).fit(2)
+    assert modes.seen == [('train', True), ('valid', False)] * 2
+
+
 def test_shape_mismatch_names_shapes_and_changes_nothing():
     learn = Learner(tiny_dls(), nn.Linear(2, 3), F.mse_loss, opt_func=SGD, lr=0.1, default_cbs=False)
     before = copy.deepcopy(learn.model.state_dict())

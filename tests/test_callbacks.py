@@ -77,7 +77,44 @@ def test_plot_loss_saves_its_figure_and_smooths_by_the_fits_length(tmp_path):
     assert len(losses) == 69 and window == 2
     drawn = ax.get_lines()[1].get_ydata()
     assert list(drawn) == smooth_values(losses, 1 - 1 / window) and '~2 batches' in ax.get_lines()[1].get_label()
+    valid = ax.get_lines()[2]  # each epoch's validation loss, drawn at the batch that ends the epoch
+    assert list(valid.get_xdata()) == [23, 46, 69] and list(valid.get_ydata()) == [r[2] for r in learn.recorder.values]
     plt.close('all')
+
+
+def test_the_device_callback_without_a_device_trains_on_the_default_one_and_says_which():
+    "CUDA when there is a GPU, else the CPU: the model, each batch and the callback's `device` agree."
+    from teachloop.core import default_device
+    placing, seen = DeviceCallback(), []
+    learn = tiny_learner(placing)
+    learn.fit(1, cbs=[type('Where', (Callback,), {'after_pred': lambda self: seen.append(self.xb[0].device)})()])
+    assert placing.device == default_device() == next(learn.model.parameters()).device == seen[0]
+
+
+def test_smooth_values_is_the_debiased_moving_average():
+    "avg_t = beta avg_(t-1) + (1 - beta) v_t shown as avg_t / (1 - beta^t): the first value itself, then (b a + v)/(1 + b)."
+    for beta in (0.9, 0.98):
+        first, second, third = smooth_values([3., 1., 1.], *([beta] if beta != 0.98 else []))  # 0.98 by default
+        assert first == pytest.approx(3.) and second == pytest.approx((beta * 3. + 1.) / (1 + beta), rel=1e-12)
+        assert third == pytest.approx((beta ** 2 * 3. + beta + 1.) / (1 + beta + beta ** 2), rel=1e-12)
+    assert smooth_values([0.25] * 40) == pytest.approx([0.25] * 40, rel=1e-12)  # a constant stays itself
+
+
+def test_the_loss_plots_window_is_a_25th_of_the_fit_at_least_2_at_most_betas():
+    assert [smoothing_window(n) for n in (10, 69, 1000, 1250, 5000)] == [2, 2, 40, 50, 50]  # beta 0.98: 50 batches
+    assert smoothing_window(5000, beta=0.9) == 10
+
+
+def test_the_progress_callback_prints_each_epochs_row_and_shows_its_bar_only_when_asked(capsys):
+    learn = tiny_learner(default_cbs=True)
+    learn.progress.show_bar, learn.progress.print_rows = False, True
+    learn.fit(2)
+    out, err = capsys.readouterr()
+    header, *rows = out.strip().splitlines()
+    assert header.split() == learn.recorder.metric_names and [r.split()[0] for r in rows] == ['0', '1'] and not err
+    learn.progress.show_bar = True
+    learn.fit(1)
+    assert 'epoch 1/1 train' in capsys.readouterr().err  # tqdm's bar, on stderr
 
 @pytest.mark.cuda
 @pytest.mark.parametrize('make', [lambda params: torch.optim.Adam(params), lambda params: torch.optim.Adam(params, fused=True),

@@ -552,9 +552,11 @@ def test_the_archive_check_reads_the_program_not_the_files_beside_it(trained, tm
     "A JSON file an exporter kept beside the program (torch never runs it) may hold any names."
     from teachloop.inference import FACTS_FILE, read_export
     program, facts = read_export(trained.export(tmp_path / 'digits.pt2'))
-    extra = {FACTS_FILE: json.dumps(facts), 'notes.json': json.dumps({'target': 'my.own.notes', 'expr_str': 'os.getcwd()'})}
+    notes = {'target': 'my.own.notes', 'expr_str': 'os.getcwd()'}
+    extra = {FACTS_FILE: json.dumps(facts), 'notes.json': json.dumps(notes)}
     torch.export.save(program, tmp_path / 'noted.pt2', extra_files=extra)
-    noted, plain = (load_learner(tmp_path / name).get_preds(trained.dls.valid)[0] for name in ('noted.pt2', 'digits.pt2'))
+    noted, plain = (load_learner(tmp_path / name).get_preds(trained.dls.valid)[0]
+                    for name in ('noted.pt2', 'digits.pt2'))
     assert torch.equal(noted, plain)
 
 

@@ -92,7 +92,7 @@ def test_the_device_callback_without_a_device_trains_on_the_default_one_and_says
 
 
 def test_smooth_values_is_the_debiased_moving_average():
-    "avg_t = beta avg_(t-1) + (1 - beta) v_t shown as avg_t / (1 - beta^t): the first value itself, then (b a + v)/(1 + b)."
+    "avg_t = beta avg_(t-1) + (1 - beta) v_t, shown as avg_t / (1 - beta^t): the first value, then (b a + v)/(1 + b)."
     for beta in (0.9, 0.98):
         first, second, third = smooth_values([3., 1., 1.], *([beta] if beta != 0.98 else []))  # 0.98 by default
         assert first == pytest.approx(3.) and second == pytest.approx((beta * 3. + 1.) / (1 + beta), rel=1e-12)

@@ -229,14 +229,15 @@ def adam_without_decay(params, fast, **hypers):
 
 
 @pytest.mark.float32
-def test_adam_without_weight_decay_takes_the_multi_tensor_step_and_equals_torch(batches):
+@pytest.mark.parametrize('mom, sqr_mom', [(0.8, 0.9), (0.3, 0.4)])  # the debiasing's 1 - beta, also below 0.5
+def test_adam_without_weight_decay_takes_the_multi_tensor_step_and_equals_torch(batches, mom, sqr_mom):
     "Debiased by each parameter's own step count: the first layer gets no gradient for its first 5 steps."
-    hypers = dict(lr=1e-2, mom=0.8, sqr_mom=0.9, eps=1e-8)
+    hypers = dict(lr=1e-2, mom=mom, sqr_mom=sqr_mom, eps=1e-8)
     torch.manual_seed(0)
     model = digits_cnn().double()
     reference = copy.deepcopy(model)
     opt = adam_without_decay(model.parameters(), fast=True, **hypers)  # True: the fast step or an error, never the callbacks
-    torch_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, betas=(0.8, 0.9), eps=1e-8, weight_decay=0.)
+    torch_opt = torch.optim.Adam(reference.parameters(), lr=1e-2, betas=(mom, sqr_mom), eps=1e-8, weight_decay=0.)
     for i, (xb, yb) in enumerate(batches[:30]):
         for m, o in ((model, opt), (reference, torch_opt)):
             F.cross_entropy(m(xb.double()), yb).backward()

@@ -262,3 +262,44 @@ def test_a_parameter_given_twice_to_the_optimizer():
     learn = quiet(Learner(digits_dls(), model, F.cross_entropy, splitter=lambda m: [list(m.parameters())] * 2))
     with pytest.raises(ValueError, match='twice'): learn.fit(1)
     assert learn.opt is None
+
+
+# ---- found by make mutate (tools/mutate.py): each test fails on the mutant it was written for
+
+def segmentation_learner(labels, cbs):
+    "A per-pixel classifier of 3 classes: scores (n, 3, 4, 4), one label per pixel."
+    x = torch.randn(8, 1, 4, 4)
+    dl = [(x, labels)]
+    return quiet(Learner(DataLoaders(dl, dl), nn.Conv2d(1, 3, 1), F.cross_entropy, opt_func=SGD, lr=0.1, cbs=cbs))
+
+
+def test_check_batch_reads_labels_per_pixel_and_any_range_inside_the_classes():
+    "Scores of more than two dimensions are checked as well (class 3 of 3 refused), and labels from 1 to 2 are fine."
+    bad = torch.randint(0, 3, (8, 4, 4))
+    bad[0, 0, 0] = 3
+    with pytest.raises(ValueError, match=r'labels must be class indices in \[0, 2\].*labels from 0 to 3'):
+        segmentation_learner(bad, [CheckBatch()]).fit(1)
+    segmentation_learner(torch.randint(1, 3, (8, 4, 4)), [CheckBatch()]).fit(1)  # no 0 in this batch: still in range
+
+
+def test_terminate_on_nan_watches_the_training_loss_only():
+    "A validation set with a NaN gives a NaN validation loss, which is reported, not a stop."
+    x, y = torch.randn(16, 2), torch.randn(16, 1)
+    valid_x = x[:8].clone()
+    valid_x[0, 0] = float('nan')
+    learn = quiet(Learner(DataLoaders([(x, y)], [(valid_x, y[:8])]), nn.Linear(2, 1), F.mse_loss, opt_func=SGD, lr=0.1,
+                          cbs=[TerminateOnNaN()]))
+    learn.fit(3)
+    assert learn.train_iter == 3 and len(learn.recorder.values) == 3 and np.isnan(learn.recorder.values[-1][2])
+
+
+def test_gradient_clipping_by_default_clips_the_global_norm_to_1():
+    "fastai's GradientClip default: max_norm 1, the 2-norm of all gradients together."
+    norms = []
+    class Norm(Callback):
+        def after_step(self): norms.append(torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters()]))
+    x, y = torch.randn(16, 2) * 100, torch.randn(16, 1) * 100  # a large loss: gradients far above norm 1
+    learn = quiet(Learner(DataLoaders([(x, y)], None), nn.Linear(2, 1), F.mse_loss, opt_func=SGD, lr=1e-6,
+                          cbs=[GradientClipping(), Norm()]))
+    learn.fit(2)
+    assert len(norms) == 2 and all(abs(float(n) - 1.) < 1e-5 for n in norms)  # float32: the norm's rounding, 1e-7 x 100

@@ -453,6 +453,9 @@ def test_the_inputs_of_a_weights_file_are_checked_too(tmp_path):
     fixed = load_learner(exported_weights(tmp_path / 'fixed', dynamic='batch')[1])  # no size free but the batch's
     with pytest.raises(ValueError, match=r"input 0 should be a batch of shape \(n, 15\)"):
         fixed.get_preds([(torch.zeros(2, 9).long(), torch.tensor([9, 4]))])
+    (tmp_path / 'listed').mkdir()  # the free sizes given per input: the tokens' length, nothing of the lengths'
+    listed = load_learner(exported_weights(tmp_path / 'listed', dynamic=[(1,), ()])[1])
+    assert [i['shape'] for i in listed.facts['inputs']] == [[[1, None]], []]
 
 
 class Unbuildable(PackedGRU):
@@ -561,6 +564,7 @@ def test_the_archive_check_reads_the_program_not_the_files_beside_it(trained, tm
 
 
 @pytest.mark.parametrize('facts', [None, {'format': 'teachloop-inference-2', 'kind': 'weights'},
+                                   {'format': 'teachloop', 'kind': 'weights'},  # a format that sorts before ours too
                                    {'format': 'teachloop-inference', 'kind': 'program'}])
 def test_a_weights_file_whose_facts_are_not_an_exports_is_refused(tmp_path, facts):
     "A safetensors file of another writer (or of another format or kind) is not loaded, whatever its tensors."

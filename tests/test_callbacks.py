@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from teachloop.callback.schedule_free import BatchNormAtAverage
 from teachloop.callback.core import (AccumMetric, DeviceCallback, GradientAccumulation, MixedPrecision, Recorder,
-                                 hypers_read, smooth_values, smoothing_window)
+                                 format_row, hypers_read, smooth_values, smoothing_window)
 from teachloop.callback.checkpoint import Checkpoint, read_checkpoint
 from teachloop.data import DataLoaders
 from teachloop.callback.faults import GradientClipping
@@ -46,7 +46,12 @@ def test_recorder_records_only_the_hypers_the_optimizer_reads(opt_func, recorded
     assert all(len(values) == 2 for values in learn.recorder.hps.values())
     axs = learn.recorder.plot_sched()
     assert [ax.get_title() for ax in axs.flat] == ['lr', 'mom'][:1 + ('mom' in recorded)]
+    assert tuple(axs.flat[0].figure.get_size_inches()) == (4. * axs.size, 3.)  # 4 inches a panel
     plt.close('all')
+
+
+def test_the_epoch_tables_row_right_aligns_numbers_and_gives_the_time_in_seconds():
+    assert format_row([1, 0.5, 0.25, 12.34], [5, 9, 9, 9]) == '    1   0.500000   0.250000       12.3s'
 
 
 def test_recorder_records_every_hyper_of_a_torch_optimizer():

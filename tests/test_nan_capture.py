@@ -1,5 +1,6 @@
 """NaNCapture and replay_nan: the capture stops before the bad step with the right state, the replay reproduces it."""
 import random
+from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -511,3 +512,17 @@ def test_a_nan_made_by_the_model_in_its_last_parameter_is_caught_and_replayed(tm
     report = replay_nan(quiet(Learner(gated_log_dls(step), GatedLog(), F.mse_loss, opt_func=SGD)), tmp_path / 'nan.pt')
     assert report.recurred and report.bad_params == ['gate.scale'] and report.loss == capture['loss']
     assert report.first_forward is None  # every module's output was finite: only the gradient was not
+
+
+@pytest.mark.parametrize('n_layers, listed', [(2, 'a.weight, a.bias, b.weight, b.bias'),
+                                              (3, 'a.weight, a.bias, b.weight, b.bias ...')])
+def test_the_capture_names_four_bad_parameters_and_says_when_there_are_more(tmp_path, capsys, n_layers, listed):
+    "Four names, then ' ...' for a fifth and beyond: the 4 parameters of 2 layers all named, 5 (a third, bias-free) cut."
+    model = nn.Sequential(OrderedDict((name, nn.Linear(2, 2, bias=name != 'c')) for name in 'abc'[:n_layers]))
+    x, y = torch.randn(8, 2), torch.randn(8, 2)
+    x[0, 0] = float('nan')  # every gradient NaN
+    learn = Learner(DataLoaders([(x, y)], None), model, F.mse_loss, lr=0.1, cbs=[NaNCapture(tmp_path)])
+    learn.progress.show_bar = learn.progress.print_rows = False
+    learn.fit(1)
+    said = capsys.readouterr().out
+    assert f"non-finite gradients in {listed} at epoch 0" in said

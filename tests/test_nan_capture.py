@@ -517,7 +517,7 @@ def test_a_nan_made_by_the_model_in_its_last_parameter_is_caught_and_replayed(tm
 @pytest.mark.parametrize('n_layers, listed', [(2, 'a.weight, a.bias, b.weight, b.bias'),
                                               (3, 'a.weight, a.bias, b.weight, b.bias ...')])
 def test_the_capture_names_four_bad_parameters_and_says_when_there_are_more(tmp_path, capsys, n_layers, listed):
-    "Four names, then ' ...' for a fifth and beyond: the 4 parameters of 2 layers all named, 5 (a third, bias-free) cut."
+    "Four names, then ' ...' from a fifth: the 4 parameters of 2 layers all named, 5 (a third, bias-free) cut."
     model = nn.Sequential(OrderedDict((name, nn.Linear(2, 2, bias=name != 'c')) for name in 'abc'[:n_layers]))
     x, y = torch.randn(8, 2), torch.randn(8, 2)
     x[0, 0] = float('nan')  # every gradient NaN

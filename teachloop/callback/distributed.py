@@ -32,21 +32,21 @@ from ..core import check_count, process_count, process_rank, several_processes
 from ..data import DataLoaders, digits_cnn, load_digits_tensors, tensor_dls
 from .faults import TerminateOnNaN
 from contextlib import nullcontext
-from ..learner import (ONE_PROCESS, Callback, CancelEpochException, CancelFitException, CancelTrainException, Learner, StepSetting, _map_tensors, gathered,
-                               opt_shards_of, shards_of)
+from ..learner import (BATCH_EVENTS, ONE_PROCESS, Callback, CancelEpochException, CancelFitException,
+                               CancelTrainException, Learner, StepSetting, _map_tensors, gathered, opt_shards_of,
+                               shards_of)
 from .nan_capture import NaNCapture
 from ..optim.core import SGD, _sharded
 from ..random_state import set_seed
 from .schedule import LRFinder, fit_one_cycle  # the import adds `Learner.fit_one_cycle`, which `digits_fit` uses
 
 # %% auto #0
-__all__ = ['BATCH_EVENTS', 'AGREED_CANCELS', 'STRATEGIES', 'init_distributed', 'all_reduce_demo', 'ShardSampler',
-           'check_shardable', 'shard_loader', 'shard_dls', 'sum_over_processes', 'any_process', 'ProcessGroup',
-           'check_world', 'DistributedTrainer', 'digits_fit', 'digits_bn_cnn', 'RanksDisagree', 'check_same_data',
-           'group_store', 'is_sharded', 'shard_model', 'drop_gathered', 'gradients_kept_unsharded', 'local_bytes',
-           'bytes_held', 'DifferentiableSum', 'global_moments', 'GlobalBatchNorm', 'batch_norm_layers',
-           'check_batch_norms', 'synced_copy', 'swap_batch_norms', 'PoisonBatch', 'nan_on_one_rank', 'free_port',
-           'RankFailed', 'run_ranks']
+__all__ = ['AGREED_CANCELS', 'STRATEGIES', 'init_distributed', 'all_reduce_demo', 'ShardSampler', 'check_shardable',
+           'shard_loader', 'shard_dls', 'sum_over_processes', 'any_process', 'ProcessGroup', 'check_world',
+           'DistributedTrainer', 'digits_fit', 'digits_bn_cnn', 'RanksDisagree', 'check_same_data', 'group_store',
+           'is_sharded', 'shard_model', 'drop_gathered', 'gradients_kept_unsharded', 'local_bytes', 'bytes_held',
+           'DifferentiableSum', 'global_moments', 'GlobalBatchNorm', 'batch_norm_layers', 'check_batch_norms',
+           'synced_copy', 'swap_batch_norms', 'PoisonBatch', 'nan_on_one_rank', 'free_port', 'RankFailed', 'run_ranks']
 
 # %% ../../nbs/15_distributed.ipynb #c005
 def init_distributed(backend=None,  # 'gloo' (CPUs) or 'nccl' (GPUs); None: nccl when there is a GPU, else gloo
@@ -520,9 +520,6 @@ def stop_due(self:DistributedTrainer, requested, epoch_end=False):
         raise cancel()  # in every rank, after the same batch
     return self._stop_agreed
 
-# The events of a training batch, where each rank's callbacks run on its own batch
-BATCH_EVENTS = {'before_batch', 'after_pred', 'after_loss', 'before_backward', 'after_backward', 'before_step',
-                'after_step', 'after_batch', 'after_cancel_backward', 'after_cancel_step', 'after_cancel_batch'}
 AGREED_CANCELS = (None, CancelTrainException, CancelEpochException)  # the flag's values, what every rank then raises
 
 @patch
@@ -532,7 +529,8 @@ def takes_cancel(self:DistributedTrainer, cancel, event):
     if isinstance(cancel, CancelFitException):
         self.learn.stop()  # every rank stops after the same batch (or at this epoch's end)
         return True
-    if not (self.learn.training and event in BATCH_EVENTS): return False  # the epoch's events: every rank hears them
+    # a training batch's events, where each rank's callbacks see its own batch; the epoch's events every rank hears alike
+    if not (self.learn.training and event in BATCH_EVENTS): return False
     level = 2 if isinstance(cancel, CancelEpochException) else 1 if isinstance(cancel, CancelTrainException) else 0
     if level: self._cancel_here = max(self._cancel_here, level)  # with the next message
     return bool(level)  # a batch's, backward's or step's cancel is for every rank to raise alike (see above)

@@ -315,6 +315,26 @@ def test_a_callback_ordered_before_the_others_already_sees_the_model_in_the_phas
     assert modes.seen == [('train', True), ('valid', False)] * 2
 
 
+class Doubled(nn.Module):
+    "A model whose output has twice the rows of its input: a bug of the kind that broadcasting could hide."
+    def __init__(self): super().__init__(); self.lin = nn.Linear(2, 1)
+    def forward(self, x): return self.lin(torch.cat([x, x]))
+
+
+def test_an_output_with_more_rows_than_the_target_is_refused_naming_both_shapes():
+    learn = Learner(tiny_dls(), Doubled(), F.mse_loss, opt_func=SGD, lr=0.1, default_cbs=False)
+    with pytest.raises(ValueError, match=r"output has shape \(16, 1\) but the target has shape \(8, 1\)"): learn.fit(1)
+
+
+def test_a_callback_not_attached_yet_has_no_learner_attributes_and_says_why():
+    "`hasattr` is False (no other error), and reading one says that the callback is not attached to a Learner yet."
+    class Reads(Callback): pass
+    cb = Reads()
+    assert not hasattr(cb, 'epoch')
+    with pytest.raises(AttributeError, match=r"Reads has no attribute 'epoch' \(it is not attached to a Learner yet\)"):
+        cb.epoch
+
+
 def test_shape_mismatch_names_shapes_and_changes_nothing():
     learn = Learner(tiny_dls(), nn.Linear(2, 3), F.mse_loss, opt_func=SGD, lr=0.1, default_cbs=False)
     before = copy.deepcopy(learn.model.state_dict())

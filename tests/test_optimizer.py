@@ -297,3 +297,23 @@ def test_a_state_saved_without_the_parameters_shapes_is_checked_against_its_tens
     _, transposed = trained_adam((3, 2))
     with pytest.raises(ValueError, match=r"has shape \(2, 3\) but the parameter has shape \(3, 2\)"):
         transposed.load_state_dict(copy.deepcopy(state))
+
+
+def test_a_fast_step_planner_added_beside_teachloops_keeps_its_fast_steps(monkeypatch):
+    "A library's own planner (here one that never has a step) joins the list; one of the same name replaces it."
+    from teachloop.optim import core
+    monkeypatch.setattr(core, 'FAST_STEP_PLANNERS', list(core.FAST_STEP_PLANNERS))
+    def a_planner_of_ones_own(cbs): return None
+    for _ in range(2): core.add_fast_step_planner(a_planner_of_ones_own)
+    assert [p.__name__ for p in core.FAST_STEP_PLANNERS].count('a_planner_of_ones_own') == 1
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    assert Adam([p], lr=1e-3).fast_step_for([p]) is not None  # teachloop's planner is still asked
+
+
+def test_torchs_name_for_the_momentum_is_followed_whatever_string_object_names_it():
+    "A key read from a config file is a string made at run time, not the literal in the code."
+    opt = Adam([torch.nn.Parameter(torch.ones(2))], lr=1e-3)
+    key = ''.join(['be', 'tas'])
+    opt.param_groups[0][key] = (0.5, 0.6)
+    assert opt.hypers[0]['mom'] == 0.5 and opt.hypers[0]['sqr_mom'] == 0.6

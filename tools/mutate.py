@@ -61,7 +61,7 @@ MODULES = {
     'teachloop/optim/fast.py': ['tests/test_fast_optimizers.py', 'tests/test_optimizer_contracts.py'],
     'teachloop/learner.py': ['tests/test_learner.py', 'tests/test_fit_state.py', 'tests/test_callbacks.py',
                              'tests/test_callback_contracts.py', 'tests/test_sharded_checkpoints.py',
-                             'tests/test_distributed.py', 'tests/test_silent_wrongs.py'],
+                             'tests/test_distributed.py', 'tests/test_silent_wrongs.py', 'tests/test_checkpoint.py'],
     'teachloop/callback/core.py': ['tests/test_callbacks.py', 'tests/test_learner.py',
                                    'tests/test_callback_contracts.py', 'tests/test_metrics.py',
                                    'tests/test_distributed.py'],

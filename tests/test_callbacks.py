@@ -334,6 +334,37 @@ def test_a_fit_interrupted_between_two_steps_resumes_with_the_gradients_set_asid
     assert second.recorder.losses == whole.recorder.losses
 
 
+class TakeTurns(nn.Module):
+    "Two linear layers taking turns over the training batches: the first alone, then the second alone, then both."
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.calls = nn.Linear(2, 1), nn.Linear(2, 1), 0
+    def forward(self, x):
+        if not self.training: return self.a(x) + self.b(x)
+        turn, self.calls = self.calls % 3, self.calls + 1
+        return self.a(x) if turn == 0 else self.b(x) if turn == 1 else self.a(x) + self.b(x)
+
+
+@pytest.mark.numeric
+def test_a_layer_left_out_of_some_batches_of_a_step_keeps_the_gradients_of_the_others():
+    "Three batches a step: the first gives `b` no gradient, the second `a` none. Each step has the sum of all three,"
+    " as a hand-written loop gets it from torch's own `.grad` accumulation (float64: equal to rounding)."
+    set_seed(0)
+    model = TakeTurns().double()
+    by_hand = copy.deepcopy(model)
+    dls = tiny_dls(n_batches=6, bs=4, dtype=torch.float64)
+    learn = Learner(dls, model, F.mse_loss, opt_func=SGD, lr=0.1, default_cbs=False, cbs=[GradientAccumulation(12)])
+    learn.fit(1)
+    for i, (x, y) in enumerate(dls.train):
+        (F.mse_loss(by_hand(x), y) * (len(x) / 12)).backward()
+        if i % 3 == 2:
+            with torch.no_grad():
+                for p in by_hand.parameters(): p -= 0.1 * p.grad
+            by_hand.zero_grad()
+    assert [p.grad for p in by_hand.parameters()] == [None] * 4 and by_hand.calls == model.calls == 6
+    assert max_diff(model.parameters(), by_hand.parameters()) < 1e-14  # two sums of three terms: a few ulps of 1
+
+
 class Unsized:
     "Batches of a loader without len()."
     def __init__(self, batches): self.batches = batches

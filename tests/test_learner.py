@@ -1163,6 +1163,38 @@ def test_get_preds_joins_batches_of_different_widths_padded_or_as_a_list_and_ref
     assert torch.equal(item, 2 * by_hand[0][1])
 
 
+@pytest.mark.parametrize('lengths, listed', [((3, 4, 5), '((3,), (4,), (5,)): pass'),
+                                             ((6, 3, 5, 4), '((3,), (4,), (5,), ...): pass')])
+def test_outputs_of_many_widths_are_named_three_at_most(lengths, listed):
+    generator = torch.Generator().manual_seed(0)
+    batches = [(x, x.sum(-1)) for x in (torch.randn(2, n, 2, generator=generator, dtype=torch.float64) for n in lengths)]
+    learn = Learner(DataLoaders(batches, batches), PerStep(), F.mse_loss, opt_func=SGD, default_cbs=False)
+    with pytest.raises(ValueError) as caught: learn.get_preds()
+    assert f"past the batch dimension {listed}" in str(caught.value)
+
+
+def test_an_error_a_callback_raises_again_says_where_once():
+    "The same exception object raised in two fits (a cell run again): the note that names its callback is there once."
+    class OutOfBudget(Callback):
+        error = RuntimeError('out of budget')
+        def after_batch(self): raise self.error
+    learn = tiny_learner(OutOfBudget())
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match='out of budget') as caught: learn.fit(1)
+    assert caught.value.__notes__ == ['(raised in OutOfBudget.after_batch)']
+
+
+def test_after_a_fit_the_model_holds_the_weights_its_last_validation_scored():
+    "A Schedule-Free optimizer trains at one point and validates at its average: the fit ends with the average in place."
+    from teachloop.optim.recent import ScheduleFreeAdamW
+    learn = tiny_learner(Recorder(), n_batches=4, opt_func=ScheduleFreeAdamW, lr=0.05)
+    learn.fit(2)
+    (x, y), = learn.dls.valid
+    with torch.no_grad(): after = F.mse_loss(learn.model(x), y).item()
+    # the same float32 sums over the same 8 items as the validation's: equal but for the order of a reduction
+    assert after == pytest.approx(learn.recorder.values[-1][2], rel=1e-6)  # epoch, train, valid
+
+
 def test_get_preds_joins_dataclass_outputs_field_by_field_and_warns_once_of_an_unknown_activation():
     import dataclasses
 

@@ -19,7 +19,7 @@ from teachloop.callback.schedule import fit_one_cycle  # noqa: F401 (adds `Learn
 from teachloop.callback.tracker import SaveModel
 from teachloop.core import process_rank
 from teachloop.data import DataLoaders, digits_cnn, load_digits_tensors
-from teachloop.learner import Callback, Learner, gathered
+from teachloop.learner import Callback, Learner, gathered, tensors_to_load
 from teachloop.optim.core import SGD, Adam
 from teachloop.random_state import set_seed
 from test_checkpoint import CtrlCAt, StopAfterEpoch
@@ -117,9 +117,14 @@ def sharded_fits_interrupted_and_resumed(folder):
         else: raise AssertionError("the Ctrl-C did not stop the fit")
         local = {k: v.to_local().shape for k, v in cut.model.state_dict().items()}
         from_ctrl_c = fit(learner(name), resume=folder / name / 'interrupted')
-        from_epoch = fit(learner(name), resume=folder / name / 'epoch-001')
+        resumed = learner(name)
+        from_epoch = fit(resumed, resume=folder / name / 'epoch-001')
+        to_fill = tensors_to_load(resumed, read_checkpoint(folder / name / 'epoch-001'))  # what a resume reads into
+        local_shape = lambda t: tuple(getattr(t, 'to_local', lambda: t)().shape)
+        read_into = {'weight': local_shape(to_fill['model']['0.0.weight']),  # the first parameter: 16 rows
+                     'opt': [local_shape(t) for t in to_fill['opt']['state'][0].values() if torch.is_tensor(t) and t.ndim]}
         found[name] = dict(whole=whole, from_ctrl_c=from_ctrl_c, from_epoch=from_epoch, stopped_at=stopped_at,
-                           local=local, epoch_end=at_epoch_end.state)
+                           local=local, epoch_end=at_epoch_end.state, read_into=read_into)
     return found
 
 
@@ -143,6 +148,9 @@ def test_sharded_checkpoints_of_two_ranks_resume_bit_for_bit(sharded_fits, name)
             assert same(rank[name][resumed], whole), (name, resumed)  # weights, optimizer state, losses, rows
         # each rank trained on its rows only: the first dimension of every parameter cut in two
         assert rank[name]['local']['0.0.weight'] == (8, 1, 3, 3)
+        # and a resume reads into each rank its own rows only, of the weights and of the optimizer's state
+        read_into = rank[name]['read_into']  # (a step count has no rows to cut: left out)
+        assert read_into['weight'] == (8, 1, 3, 3) and read_into['opt'] and set(read_into['opt']) == {(8, 1, 3, 3)}
 
 
 def opt_bytes_by_file(folder):

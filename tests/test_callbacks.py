@@ -50,6 +50,15 @@ def test_recorder_records_only_the_hypers_the_optimizer_reads(opt_func, recorded
     plt.close('all')
 
 
+def test_recorder_records_the_rates_of_the_last_group_the_head():
+    "With discriminative rates (a slice over two groups), the recorded rate is the head's, as fastai's Recorder keeps."
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    learn = Learner(tiny_dls(), model, F.mse_loss, opt_func=SGD, default_cbs=False, cbs=[Recorder()],
+                    splitter=lambda m: [list(m[0].parameters()), list(m[1].parameters())])
+    learn.fit(1, lr=slice(1e-3, 1e-2))
+    assert [h['lr'] for h in learn.opt.hypers] == [1e-3, 1e-2] and learn.recorder.hps['lr'] == [1e-2, 1e-2]
+
+
 def test_the_epoch_tables_row_right_aligns_numbers_and_gives_the_time_in_seconds():
     assert format_row([1, 0.5, 0.25, 12.34], [5, 9, 9, 9]) == '    1   0.500000   0.250000       12.3s'
 

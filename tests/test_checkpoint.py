@@ -626,6 +626,20 @@ def test_a_resume_with_other_rates_per_group_names_both_lists(tmp_path):
                      r"\[[\d.e-]+, [\d.e-]+, [\d.e-]+\] here\)", str(refused.value)), str(refused.value)
 
 
+def test_rates_that_differ_beyond_four_digits_are_shown_in_full(tmp_path):
+    "The rates of a resumed fit are shown to 4 significant digits; where those look alike, in full, so that they differ."
+    learn = scheduled_learner('one_cycle')
+    with pytest.raises(KeyboardInterrupt): learn.fit_one_cycle(4, lr_max=3e-3, cbs=[Checkpoint(tmp_path), CtrlCAt(2, 5)])
+    for lr_max, shown in [(3.0001e-3, None), (4e-3, ('0.00012', '0.00016'))]:  # one cycle starts at lr_max / 25
+        with pytest.raises(ValueError) as refused:
+            scheduled_learner('one_cycle').fit_one_cycle(4, lr_max=lr_max, resume=tmp_path / 'interrupted.pt')
+        found = re.search(r"in 'lr' at training batch 0 \(([\d.e-]+) in the checkpoint's fit, ([\d.e-]+) here\)",
+                          str(refused.value))
+        assert found, str(refused.value)
+        if shown: assert found.groups() == shown
+        else: assert found[1] != found[2] and float(found[2]) == pytest.approx(lr_max / 25, rel=1e-12)
+
+
 def test_a_schedule_is_refused_for_a_fit_that_had_none(tmp_path):
     plain = scheduled_learner('one_cycle')
     with pytest.raises(KeyboardInterrupt): plain.fit(4, cbs=[Checkpoint(tmp_path), CtrlCAt(2, 5)])

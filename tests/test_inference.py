@@ -18,8 +18,8 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from teachloop.data import DataLoaders, digits_cnn, digits_dls
-from teachloop.inference import (InferenceLearner, check_archive, export_model, is_weights_file, load_learner,
-                                 program_inputs, read_weights_export)
+from teachloop.inference import (InferenceLearner, check_archive, class_path, export_model, is_weights_file, load_learner,
+                                 model_class, program_inputs, read_weights_export)
 from teachloop.learner import Learner
 from teachloop.testing import digits_learner, quiet
 
@@ -477,6 +477,14 @@ def test_a_class_no_other_process_can_import_is_refused(tmp_path):
     class Local(PackedGRU): pass
     learn = sequence_learner(Local(), with_lengths=True)
     with pytest.raises(ValueError, match='move it into a module of your own'): learn.export(tmp_path / 'g.pt2', init_args=GRU_ARGS)
+
+
+def test_a_class_from_a_module_of_any_name_is_named_by_its_path(tmp_path, monkeypatch):
+    "A module whose name sorts before '__main__' (a capital first letter): its class is importable, and named so."
+    (tmp_path / 'Zoo.py').write_text('from torch import nn\nclass Net(nn.Linear): pass\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    from Zoo import Net
+    assert 'Zoo' < '__main__' and class_path(Net(2, 1)) == 'Zoo:Net' and model_class('Zoo:Net') is Net
 
 
 def test_a_weights_file_naming_anything_but_a_module_class_is_refused_before_calling_it(tmp_path):

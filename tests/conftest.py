@@ -49,6 +49,22 @@ def pytest_collection_modifyitems(config, items):
     items[:] = sorted(items, key=lambda item: start_order(item, notebooks_run))  # stable: in file order within each kind
 
 
+def pytest_xdist_node_collection_finished(node, ids):
+    """In the controller of `--dist loadgroup`: stop before any test runs if a worker's tests came without their groups.
+
+    A worker names a grouped test's group in its node id (`...@ranks`); a pytest whose node ids pytest-xdist cannot
+    change (9.2 with xdist 3.8: pytest-xdist#1386) loses every group silently, and tests that must not overlap (two
+    browsers, two multi-process fits, two wheel builds in one folder) would run at once. Every test of
+    test_distributed.py and test_package.py is grouped, by file (`XDIST_GROUPS`)."""
+    if node.config.getoption('dist', 'no') != 'loadgroup': return
+    lost = [i for i in ids if i.split('::')[0].rsplit('/', 1)[-1] in ('test_distributed.py', 'test_package.py')
+            and '@' not in i]
+    if lost:
+        pytest.exit(f"pytest-xdist's --dist loadgroup lost the test groups ({lost[0]} has none): pytest "
+                    f"{pytest.__version__} keeps node ids that pytest-xdist cannot mark; install the pytest that "
+                    "pyproject.toml names (`make test` does)", returncode=pytest.ExitCode.USAGE_ERROR)
+
+
 @pytest.fixture(autouse=True)
 def cpu_unless_marked_cuda(request, monkeypatch):
     """Tests without the `cuda` marker run on the CPU, on a GPU machine too.

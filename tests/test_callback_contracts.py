@@ -438,6 +438,7 @@ def two_ranks(tmp_path_factory):
 TWO_PROCESSES = [case(name, 'two processes') for name in two_process_names()]
 
 
+@pytest.mark.ranks
 @pytest.mark.numeric
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize('name', TWO_PROCESSES)
@@ -477,6 +478,7 @@ def stop_requested_in_rank_zero(folder, at):
     return learn.train_iter, learn.model.state_dict(), learn.opt.hypers[0]['lr'], said
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # safety nets for a hang (as run_ranks's below), minutes long: a busy machine is only slower
 @pytest.mark.parametrize('at, steps', [(('train', 2), 4), (('valid', 0), 4)])

@@ -521,6 +521,7 @@ def fits_on_shards(world_size):
     return results
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_two_processes_equal_one_with_the_doubled_batch():
@@ -559,6 +560,7 @@ def sharded_fits(world_size):
     return results
 
 
+@pytest.mark.ranks
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_processes_with_sharded_parameters_equal_one_with_the_doubled_batch():

@@ -27,20 +27,18 @@ demo: $(STAMP)
 	$(BIN)/teachloop-demo
 
 ## All tests, in two runs of pytest on both cores:
-## 1. every test but those in Chromium, and every notebook top to bottom in a Jupyter kernel, as the site runs it
+## 1. every test (browser tests included) and every notebook top to bottom in a Jupyter kernel, as the site runs it
 ##    (the site keeps what they showed);
 ## 2. the float32 tests again on the CPU's baseline kernels (float32 rounding differs with the vector width: users'
 ##    CPUs are not this one; a float64 comparison, within 1e-10 or so, and two fits equal bit for bit on one machine
-##    do not depend on it), beside the tests in Chromium: the site built from those notebooks (`make docs`) and
-##    checked page by page, and the widgets and the dashboard in Jupyter (their servers and kernels run on the
-##    machine's own kernels, as a user's do).
-## The second pass collects only the test files that mark such tests (`mark.float32`, `mark.site`, `mark.browser`):
-## collecting every file costs each worker about 20 s.
-SECOND_PASS_FILES = $(shell grep -l 'mark\.float32\|mark\.site\|SITE_TEST\|mark\.browser' tests/*.py)
+##    do not depend on it), beside the site built from those notebooks (`make docs`) and checked in Chromium.
+## The second pass collects only the test files that mark such tests (`mark.float32`, `mark.site`): collecting every
+## file costs each worker about 20 s.
+SECOND_PASS_FILES = $(shell grep -l 'mark\.float32\|mark\.site\|SITE_TEST' tests/*.py)
 test: $(STAMP) browser-deps
 	@status=0; \
-	$(PYTEST) -m "not site and not browser" --durations=15 || status=1; \
-	ATEN_CPU_CAPABILITY=default $(PYTEST) -m "site or browser or (float32 and not slow)" -p no:cacheprovider $(SECOND_PASS_FILES) || status=1; \
+	$(PYTEST) -m "not site" --durations=15 || status=1; \
+	ATEN_CPU_CAPABILITY=default $(PYTEST) -m "site or (float32 and not slow)" -p no:cacheprovider $(SECOND_PASS_FILES) || status=1; \
 	exit $$status
 
 ## `make test` with two CPU-bound processes running beside it all along (a busy laptop, a shared CI runner); they are

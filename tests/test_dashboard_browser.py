@@ -106,8 +106,7 @@ def jupyter(request, tmp_path):
     notebook = getattr(request.module, 'NOTEBOOK', NOTEBOOK)  # the test module's own notebook
     shutil.copy(notebook, tmp_path / notebook.name)
     port, token = free_port(), secrets.token_hex(16)
-    # a user's server and kernels: not the test's flag, nor the baseline kernels of `make test`'s second pass
-    env = {k: v for k, v in os.environ.items() if k not in ('IN_TEST', 'ATEN_CPU_CAPABILITY')}
+    env = {k: v for k, v in os.environ.items() if k != 'IN_TEST'}
     env.update(OMP_NUM_THREADS='1', TEACHLOOP_BROWSER_RESULT=str(tmp_path / 'result.json'),
                JUPYTER_RUNTIME_DIR=str(tmp_path / 'runtime'), JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / 'workspaces'))
     log = open(tmp_path / 'server.log', 'w')

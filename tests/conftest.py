@@ -49,13 +49,16 @@ def pytest_collection_modifyitems(config, items):
     items[:] = sorted(items, key=lambda item: start_order(item, notebooks_run))  # stable: in file order within each kind
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: a run without xdist (`-p no:xdist`) has no such hook
 def pytest_xdist_node_collection_finished(node, ids):
     """In the controller of `--dist loadgroup`: stop before any test runs if a worker's tests came without their groups.
 
     A worker names a grouped test's group in its node id (`...@ranks`); a pytest whose node ids pytest-xdist cannot
     change (9.2 with xdist 3.8: pytest-xdist#1386) loses every group silently, and tests that must not overlap (two
     browsers, two multi-process fits, two wheel builds in one folder) would run at once. Every test of
-    test_distributed.py and test_package.py is grouped, by file (`XDIST_GROUPS`)."""
+    test_distributed.py and test_package.py is grouped, by file (`XDIST_GROUPS`): a run that collects either (both
+    passes of `make test` do) is checked; one that collects neither is not. It reads the group where pytest-xdist 3.8
+    writes it (pyproject.toml pins the pair)."""
     if node.config.getoption('dist', 'no') != 'loadgroup': return
     lost = [i for i in ids if i.split('::')[0].rsplit('/', 1)[-1] in ('test_distributed.py', 'test_package.py')
             and '@' not in i]

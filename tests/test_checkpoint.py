@@ -630,14 +630,17 @@ def test_rates_that_differ_beyond_four_digits_are_shown_in_full(tmp_path):
     "The rates of a resumed fit are shown to 4 significant digits; where those look alike, in full, so that they differ."
     learn = scheduled_learner('one_cycle')
     with pytest.raises(KeyboardInterrupt): learn.fit_one_cycle(4, lr_max=3e-3, cbs=[Checkpoint(tmp_path), CtrlCAt(2, 5)])
-    for lr_max, shown in [(3.0001e-3, None), (4e-3, ('0.00012', '0.00016'))]:  # one cycle starts at lr_max / 25
+    # one cycle starts at lr_max / 25, to a few ulps (a cosine's end point): 0.00012 saved, to 4 digits
+    for lr_max, shown in [(1e-2 / 3, ('0.00012', '0.0001333')), (3.0001e-3, None)]:
         with pytest.raises(ValueError) as refused:
             scheduled_learner('one_cycle').fit_one_cycle(4, lr_max=lr_max, resume=tmp_path / 'interrupted.pt')
         found = re.search(r"in 'lr' at training batch 0 \(([\d.e-]+) in the checkpoint's fit, ([\d.e-]+) here\)",
                           str(refused.value))
         assert found, str(refused.value)
         if shown: assert found.groups() == shown
-        else: assert found[1] != found[2] and float(found[2]) == pytest.approx(lr_max / 25, rel=1e-12)
+        else:  # alike to 4 digits: in full, two numbers that differ, each the rate to float64's precision
+            assert found[1] != found[2] and [float(v) for v in found.groups()] == pytest.approx([3e-3 / 25, lr_max / 25],
+                                                                                                 rel=1e-14)
 
 
 def test_a_schedule_is_refused_for_a_fit_that_had_none(tmp_path):

@@ -31,7 +31,7 @@ from torch import nn
 
 from .core import atomic_write, check_save_path, written_by_rank_zero
 from .data import DataLoaders
-from .optim.core import _sharded
+from .callback.distributed import whole_model
 from .learner import LOSS_ACTIVATIONS, Learner, check_state_matches, loss_activation, loss_decodes
 from .random_state import loader_generators, rng_states, set_rng_states
 
@@ -39,9 +39,8 @@ from .random_state import loader_generators, rng_states, set_rng_states
 __all__ = ['EXPORT_FORMAT', 'FACTS_FILE', 'PREDICTION_FUNCTIONS', 'prediction_names', 'inference_facts', 'dynamic_shapes',
            'export_model', 'on_cpu', 'program_inputs', 'ExportedModel', 'StoredActivation', 'InferenceLearner',
            'load_learner', 'first_batch', 'example_inputs', 'check_inputs', 'check_dynamic', 'function_named',
-           'export_failure', 'trace_and_write', 'check_whole', 'write_program', 'read_export', 'check_archive',
-           'model_class', 'class_path', 'check_rebuilds', 'export_weights', 'read_weights_export', 'is_weights_file',
-           'probed_inputs']
+           'export_failure', 'trace_and_write', 'write_program', 'read_export', 'check_archive', 'model_class',
+           'class_path', 'check_rebuilds', 'export_weights', 'read_weights_export', 'is_weights_file', 'probed_inputs']
 
 # %% ../nbs/13b_export.ipynb #e021
 EXPORT_FORMAT = 'teachloop-inference'  # the `format` entry of the facts, checked when they are read
@@ -125,14 +124,14 @@ def export(self:Learner,
         init_args: the model's constructor arguments: a weights file if it cannot trace
     """
     path = check_save_path(path, 'export.pt2', 'export path')
-    check_whole(self.model)
     with self.exclusive('export'):  # not while a fit in another thread trains the model
         inputs = example_inputs(self, example)
         facts = inference_facts(self, inputs, vocab)  # first: a loss whose activation has no name fails before the trace
         check_dynamic(dynamic, inputs)
-        if init_args is not None: check_rebuilds(self.model, init_args)  # before the trace, whose failure would need it
+        model = whole_model(self.model)  # sharded between processes (FSDP2, notebook 15a): gathered whole
+        if init_args is not None: check_rebuilds(model, init_args)  # before the trace, whose failure would need it
         # several processes that train together hold the same model: one traces and writes it, the others wait for it
-        written_by_rank_zero(lambda: trace_and_write(self.model, inputs, facts, dynamic, init_args, path), path)
+        written_by_rank_zero(lambda: trace_and_write(model, inputs, facts, dynamic, init_args, path), path)
     return path
 
 # %% ../nbs/13b_export.ipynb #e043
@@ -298,13 +297,6 @@ def trace_and_write(model, inputs, facts, dynamic, init_args, path):
         export_weights(model, inputs, facts, init_args, dynamic, path)
         return
     write_program(program, {**facts, 'inputs': program_inputs(program)}, path)
-
-def check_whole(model):
-    "Raise `ValueError` if `model` is sharded between processes (FSDP2): a program is traced from the whole model."
-    if any(_sharded(p) for p in model.parameters()):
-        raise ValueError("the model is sharded between the processes (FSDP2): `export` traces the whole model. Save its "
-                         "weights whole with `learn.save(path)` (every rank calls it, rank 0 writes the file), then in one "
-                         "process load them into the model unsharded (`learn.load(path)`) and export that")
 
 def write_program(program, facts, path):
     "Save `program` and `facts` (as JSON) to `path`, atomically; the example inputs are kept as zeros, not data."

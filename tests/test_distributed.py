@@ -858,7 +858,7 @@ def save_and_export_in_the_block(folder, strategy):
 
 @pytest.mark.parametrize('strategy', ['ddp', 'fsdp'])
 def test_save_and_export_in_the_block_write_the_whole_model_once(tmp_path, strategy):
-    "Before, every rank wrote the export; under FSDP2 `learn.save` and SaveModel wrote rank 0's shards alone."
+    "Before, every rank wrote the export; under FSDP2 `learn.save` and SaveModel wrote rank 0's shards alone, and `export` was refused."
     from teachloop.inference import load_learner
     (traced0, whole, refused0), (traced1, _, refused1) = run_ranks(save_and_export_in_the_block, tmp_path, strategy, **FORK)
     for name in (f'{strategy}.pt', f'{strategy}-best.pt'):  # one epoch: the best weights are the last
@@ -866,13 +866,27 @@ def test_save_and_export_in_the_block_write_the_whole_model_once(tmp_path, strat
         assert saved['0.0.weight'].shape == (16, 1, 3, 3) and all(torch.equal(saved[k], w) for k, w in whole.items())
     learn = float64_learner()
     learn.load(tmp_path / f'{strategy}.pt')  # the whole model, in one process
-    if strategy == 'ddp':
-        assert (traced0, traced1, refused0, refused1) == (1, 0, None, None)  # rank 0 traced and wrote; rank 1 waited
-        x = learn.dls.valid.dataset.tensors[0]
-        assert torch.equal(load_learner(tmp_path / 'ddp.pt2').model(x), learn.model.eval()(x))
-    else:
-        assert 'sharded between the processes (FSDP2)' in refused0 and refused0 == refused1 and traced0 == traced1 == 0
-        assert not (tmp_path / 'fsdp.pt2').exists()
+    # rank 0 traced the whole model (under FSDP2 its gathered copy) and wrote it; rank 1 waited
+    assert (traced0, traced1, refused0, refused1) == (1, 0, None, None)
+    x = learn.dls.valid.dataset.tensors[0]
+    exported = load_learner(tmp_path / f'{strategy}.pt2')
+    assert torch.equal(exported.model(x), learn.model.eval()(x))
+
+
+def export_of_a_model_sharded_by_hand(folder):
+    "`fully_shard` called by the user, not by `learn.distributed`: `export` refused in the block, nothing written."
+    from torch.distributed.fsdp import fully_shard
+    learn = float64_learner()
+    fully_shard(learn.model)
+    with learn.distributed():
+        try: learn.export(folder / 'by-hand.pt2')
+        except ValueError as e: return str(e)
+
+
+def test_export_of_a_model_sharded_by_hand_is_refused_naming_the_ways_to_export_it(tmp_path):
+    refused = run_ranks(export_of_a_model_sharded_by_hand, tmp_path, **FORK)
+    assert refused[0] == refused[1] and "learn.distributed(strategy='fsdp')" in refused[0] and 'learn.save(path)' in refused[0]
+    assert not (tmp_path / 'by-hand.pt2').exists()
 
 
 def rows_gathered_both_ways():

@@ -7,6 +7,7 @@ when to stop."""
 # %% ../../nbs/15_distributed.ipynb #c002
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import signal
@@ -15,6 +16,7 @@ import sys
 import time
 import traceback
 import uuid
+import weakref
 from contextlib import contextmanager
 from datetime import timedelta
 from functools import partial
@@ -44,9 +46,10 @@ from .schedule import LRFinder, fit_one_cycle  # the import adds `Learner.fit_on
 __all__ = ['AGREED_CANCELS', 'STRATEGIES', 'init_distributed', 'all_reduce_demo', 'ShardSampler', 'check_shardable',
            'shard_loader', 'shard_dls', 'sum_over_processes', 'any_process', 'ProcessGroup', 'check_world',
            'DistributedTrainer', 'digits_fit', 'digits_bn_cnn', 'RanksDisagree', 'check_same_data', 'group_store',
-           'is_sharded', 'shard_model', 'drop_gathered', 'gradients_kept_unsharded', 'local_bytes', 'bytes_held',
-           'DifferentiableSum', 'global_moments', 'GlobalBatchNorm', 'batch_norm_layers', 'check_batch_norms',
-           'synced_copy', 'swap_batch_norms', 'PoisonBatch', 'nan_on_one_rank', 'free_port', 'RankFailed', 'run_ranks']
+           'is_sharded', 'shard_model', 'layout_of', 'whole_model', 'drop_gathered', 'gradients_kept_unsharded',
+           'local_bytes', 'bytes_held', 'DifferentiableSum', 'global_moments', 'GlobalBatchNorm', 'batch_norm_layers',
+           'check_batch_norms', 'synced_copy', 'swap_batch_norms', 'PoisonBatch', 'nan_on_one_rank', 'free_port',
+           'RankFailed', 'run_ranks']
 
 # %% ../../nbs/15_distributed.ipynb #c005
 def init_distributed(backend=None,  # 'gloo' (CPUs) or 'nccl' (GPUs); None: nccl when there is a GPU, else gloo
@@ -604,13 +607,35 @@ def is_sharded(model):
 # containers whose forward is never called: their parameters are gathered with those of the module that uses them
 _CONTAINERS = (nn.ParameterList, nn.ParameterDict, nn.ModuleList, nn.ModuleDict)
 
+_LAYOUTS = weakref.WeakKeyDictionary()  # a model `shard_model` sharded -> its unsharded layout (see `whole_model`)
+
 def shard_model(model):
     "Shard `model` with FSDP2: each child module with parameters on its own (a container left to its parent), then the whole."
     from torch.distributed.fsdp import fully_shard
+    _LAYOUTS[model] = layout_of(model)  # before FSDP2 changes the modules' classes (a sharded module refuses a copy)
     for child in model.children():
         if not isinstance(child, _CONTAINERS) and any(p.requires_grad for p in child.parameters()): fully_shard(child)
     fully_shard(model)
     return model
+
+def layout_of(model):
+    "A copy of `model` on the meta device: its modules, and its tensors' shapes and dtypes without their data."
+    meta = {id(t): nn.Parameter(t.detach().to('meta'), t.requires_grad) if isinstance(t, nn.Parameter) else t.to('meta')
+            for t in (*model.parameters(), *model.buffers())}
+    return copy.deepcopy(model, meta)
+
+def whole_model(model):
+    "`model` if it is whole; if `shard_model` sharded it, a whole copy on the CPU with the gathered weights (every rank calls it)."
+    if not is_sharded(model): return model
+    layout = _LAYOUTS.get(model)
+    if layout is None:
+        raise ValueError("the model was sharded by `fully_shard` itself, and FSDP2's modules cannot be copied whole: let "
+                         "`learn.distributed(strategy='fsdp')` shard the model instead, or save its weights whole with "
+                         "`learn.save(path)` in the block (rank 0 writes them), load them into the unsharded model in "
+                         "one process (`learn.load(path)`) and use that")
+    whole = copy.deepcopy(layout).to_empty(device='cpu')
+    whole.load_state_dict({name: t.cpu() for name, t in gathered(model.state_dict()).items()})
+    return whole.train(model.training)
 
 def _strategy(learn, strategy):
     "The strategy of a `distributed()` block: given, or 'fsdp' for a model sharded already; checked against the model."

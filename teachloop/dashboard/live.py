@@ -22,6 +22,7 @@ from .buffers import BoundedSeries, DeviceBuffer, RunningSmoother, downsample_mi
 from .controls import FitControls, FitHandle, SteeringCallback, fit_background
 from .plot import EXTRA_PANELS, DashboardPlot
 from .widget import DashboardWidget, LiveDisplay
+from ..callback.distributed import is_sharded
 from ..diagnostics.effective_lr import UpdateRatio, effective_lr_stats, layer_label, layer_name
 from ..diagnostics.layer_stats import LayerStats, layer_module
 from ..diagnostics.sharpness import Sharpness
@@ -102,6 +103,9 @@ def before_fit(self:TrainingDashboard):
     self.smooth_window = smoothing_window(self.n_epoch * len(self.dls.train) if hasattr(self.dls.train, '__len__') else 0)
     self.epoch_ends, self._smoother = [], RunningSmoother(1 - 1 / self.smooth_window)  # as `Recorder.plot_loss` smooths
     self._update_ratio, self._measure_next_step, self._ratio_pending = None, True, None
+    # sharded between processes (FSDP2, notebook 15a), a layer's measures gather its shards: a collective, which every
+    # rank must reach at the same step, whatever its frames' times
+    self._sharded = is_sharded(self.model)
     self._last_loss = self.learn.loss  # the last fit's: a batch still showing it was cancelled before its loss
     self.samples, self.batches_done, self.ticks, self._total = 0, 0, 0, None
     self._start, self._next_tick = time.perf_counter(), time.perf_counter() + self.refresh
@@ -138,13 +142,16 @@ def _extra_panels(self:TrainingDashboard):
 # %% ../../nbs/11e_dashboard.ipynb #c046
 @patch
 def before_step(self:TrainingDashboard):
-    if self._measure_next_step: self._update_ratio = UpdateRatio(self.model)
+    # the step after a frame; sharded, every 10th step in every rank (see `before_fit`)
+    due = self.train_iter % 10 == 0 if self._sharded else self._measure_next_step
+    if due: self._update_ratio = UpdateRatio(self.model)
 
 @patch
 def after_step(self:TrainingDashboard):
     if self._update_ratio is None: return
     self._ratio_pending = (self.train_iter, self._update_ratio.ratios(reset=False))
     self._update_ratio, self._measure_next_step = None, False
+    if self._sharded: self._read_effective_lrs()  # at the same step in every rank, not in `tick`
 
 @patch
 def after_batch(self:TrainingDashboard):
@@ -193,7 +200,7 @@ def tick(self:TrainingDashboard, now=None):
     self.last_status = self.status()
     self._next_tick = (now or time.perf_counter()) + self.refresh
     if not self._seen: return  # nobody will see the effective lrs: not live, no file, no notebook
-    self._read_effective_lrs()
+    if not self._sharded: self._read_effective_lrs()
     if self._display is not None: self._display.submit(self.snapshot())
 
 @patch

@@ -10,14 +10,14 @@ import math
 
 import torch
 
-from ..learner import Callback
-from ..optim.core import (_sharded, adam_step, average_grad, average_sqr_grad, callback_facts, debias, declare_callback,
+from ..learner import Callback, gathered
+from ..optim.core import (adam_step, average_grad, average_sqr_grad, callback_facts, debias, declare_callback,
                                  l2_reg, momentum_step, rms_prop_step, sgd_step, step_stat, weight_decay)
 from ..optim.more import (keep_slow_weights, lamb_step, lars_scale_grad, lion_step, lookahead_step,
                                   nesterov_step, qhadam_step, radam_step, rectification)
 
 # %% auto #0
-__all__ = ['torch_effective_lr', 'effective_lrs', 'this_rank', 'layer_name', 'layer_label', 'effective_lr_stats', 'UpdateRatio',
+__all__ = ['torch_effective_lr', 'effective_lrs', 'layer_name', 'layer_label', 'effective_lr_stats', 'UpdateRatio',
            'EffectiveLRTracker']
 
 # %% ../../nbs/10_effective_lr.ipynb #c004
@@ -89,13 +89,10 @@ def effective_lrs(opt, model=None):
     rule, names, result = _effective_lr_rule(opt), _parameter_names(opt, model), {}
     for group in opt.param_groups:
         for p in group['params']:
-            try: result[names[id(p)]] = this_rank(rule(p, opt.state[p], group)) if p.requires_grad else None
+            # sharded between processes (FSDP2, notebook 15a): gathered, every rank sees the whole parameter's
+            try: result[names[id(p)]] = gathered(rule(p, opt.state[p], group)) if p.requires_grad else None
             except KeyError: continue
     return {name: lr for name, lr in result.items() if lr is not None}
-
-def this_rank(t):
-    "`t`, or of a tensor sharded between processes (FSDP2) this process's rows: what it measures without the others."
-    return t.to_local() if _sharded(t) else t
 
 # %% ../../nbs/10_effective_lr.ipynb #c011
 def layer_name(param_name):
@@ -159,11 +156,11 @@ class UpdateRatio:
         change, size = {}, {}
         for name, p in self.model.named_parameters():
             key = layer_name(name) if per == 'layer' else name
-            p, before = this_rank(p), this_rank(self.previous[name])  # sharded: this process's rows (rank 0's are shown)
-            change[key] = change.get(key, 0) + (p - before).pow(2).sum()
-            size[key] = size.get(key, 0) + before.pow(2).sum()
+            # sharded (FSDP2): each process sums its rows, and `gathered` adds up the processes' sums
+            change[key] = change.get(key, 0) + (p - self.previous[name]).pow(2).sum()
+            size[key] = size.get(key, 0) + self.previous[name].pow(2).sum()
         if reset: self.snapshot()
-        return {key: change[key].sqrt() / size[key].sqrt().clamp_min(1e-30) for key in change}
+        return {key: gathered(change[key]).sqrt() / gathered(size[key]).sqrt().clamp_min(1e-30) for key in change}
 
 # %% ../../nbs/10_effective_lr.ipynb #c020
 class EffectiveLRTracker(Callback):

@@ -17,12 +17,12 @@ from teachloop.callback.checkpoint import Checkpoint
 from teachloop.callback.tracker import SaveModel
 from teachloop.core import process_rank
 from teachloop.data import DataLoaders, digits_cnn, load_digits_tensors, tensor_dls
-from teachloop.callback.distributed import (GlobalBatchNorm, RankFailed, batch_norm_layers, check_world, digits_bn_cnn, digits_fit,
-                                   nan_on_one_rank, run_ranks, shard_dls)
+from teachloop.callback.distributed import (GlobalBatchNorm, RankFailed, RanksDisagree, batch_norm_layers, check_world,
+                                            digits_bn_cnn, digits_fit, nan_on_one_rank, run_ranks, shard_dls)
 from teachloop.diagnostics.effective_lr import EffectiveLRTracker
 from teachloop.callback.faults import TerminateOnNaN
 from teachloop.learner import (CancelBackwardException, CancelBatchException, CancelEpochException, CancelFitException,
-                               CancelTrainException, Callback, Learner)
+                               CancelStepException, CancelTrainException, Callback, Learner)
 from teachloop.callback.nan_capture import NaNCapture, replay_nan
 from teachloop.optim.core import SGD, Adam
 from teachloop.random_state import set_seed
@@ -330,6 +330,8 @@ class CancelInOneRank(Callback):
     def _maybe(self, event):
         if self.training and event == self.event and self.train_iter == self.at and process_rank() == 1: raise self.cancel()
     def after_loss(self): self._maybe('after_loss')
+    def before_backward(self): self._maybe('before_backward')
+    def before_step(self): self._maybe('before_step')
     def after_batch(self): self._maybe('after_batch')
 
 
@@ -355,6 +357,36 @@ def test_a_cancel_raised_in_one_rank_is_agreed_by_every_rank_after_the_same_batc
     else: assert n_iter + 3 < steps <= n_iter + 3 + 1 + 8 and len(rows) == 2  # the first epoch cut short, the second whole
     if cancel is CancelEpochException: assert math.isnan(rows[0][2])  # the cut epoch was not validated
     if cancel is CancelTrainException: assert not math.isnan(rows[0][2])  # its training cut short, the epoch was
+
+
+def cancel_alone(cancel, event, strategy):
+    learn = digits_learner_fp32(CancelInOneRank(cancel, event))
+    try:
+        with learn.distributed(strategy=strategy): learn.fit(2)
+    except RanksDisagree as e: refused = str(e)
+    else: refused = None
+    return learn.train_iter, refused, {k: v.clone() for k, v in learn.model.state_dict().items()}
+
+
+@pytest.mark.parametrize('cancel, event', [(CancelBatchException, 'after_loss'), (CancelBackwardException, 'before_backward'),
+                                           (CancelStepException, 'before_step')])
+def test_a_cancel_of_a_batch_or_step_in_one_rank_alone_is_refused_at_the_next_step(cancel, event):
+    "Before: a batch or backward cancelled in rank 1 alone ended in gloo's abort (SIGABRT), a step trained on apart silently."
+    (iter0, refused0, weights0), (iter1, refused1, weights1) = run_ranks(cancel_alone, cancel, event, 'ddp', **FORK)
+    assert refused0 == refused1 and 'CancelBatchException, CancelBackwardException or CancelStepException' in refused0
+    if cancel is CancelStepException:  # both at step 4, rank 1 one step behind: refused with the weights apart
+        assert (iter0, iter1) == (4, 4) and 'rank 0 at training batch 4 of the fit, 0 cancelled; rank 1 at training ' \
+                                           'batch 4 of the fit, 1 cancelled' in refused0
+    else:  # rank 0's step 3 met rank 1's step 4: refused before the optimizer stepped on the mixed gradients
+        assert (iter0, iter1) == (3, 4) and 'rank 0 at training batch 3 of the fit, 0 cancelled; rank 1 at training ' \
+                                           'batch 4 of the fit, 1 cancelled' in refused0
+        assert all(torch.equal(weights0[k], weights1[k]) for k in weights0)
+
+
+def test_a_step_skipped_in_one_rank_alone_under_fsdp2_is_refused_at_the_training_phase_end():
+    "Under FSDP2 nothing rides with the gradients: the ranks compare where they are through the host after each phase."
+    (iter0, refused0, _), (iter1, refused1, _) = run_ranks(cancel_alone, CancelStepException, 'before_step', 'fsdp', **FORK)
+    assert iter0 == iter1 and refused0 == refused1 and '0 cancelled; rank 1 at training batch' in refused0
 
 
 def environment_variable(name): return os.environ.get(name)

@@ -440,6 +440,9 @@ def _reset_messages(self:DistributedTrainer):
     self._stop_here, self._stop_agreed = False, False  # a stop request (a dashboard's button) in this rank, in all
     self._cancel_here = self._cancel_agreed = 0  # a callback's cancel of the training phase (1) or epoch (2): here, in all
     self._sent, self._outgoing, self._incoming, self._flag = [], None, None, None
+    # where this rank is, for the check that the ranks keep in step: the cancels of batches, backward passes and steps
+    # in its training, the position riding with a step's gradients, and what came back (see `_in_step`)
+    self._cancels, self._position, self._positions = 0, None, None
 
 @patch
 def before_backward(self:DistributedTrainer):
@@ -469,6 +472,13 @@ def after_train(self:DistributedTrainer):
     self._cancel_agreed = 0  # the phase it would have cut is over
 
 @patch
+def _count_cancel(self:DistributedTrainer):
+    if self.learn.training: self._cancels += 1  # a training batch, its backward or its step, cancelled in this rank
+
+DistributedTrainer.after_cancel_batch = DistributedTrainer.after_cancel_backward = DistributedTrainer._count_cancel
+DistributedTrainer.after_cancel_step = DistributedTrainer._count_cancel
+
+@patch
 def after_fit(self:DistributedTrainer):
     self._flush()  # a fit stopped by NaNCapture, in every rank: its last losses too
     # a fit stopped in its training phase may have stopped between DDP's forward and backward: a new wrapper then
@@ -484,17 +494,22 @@ def cleanup_fit(self:DistributedTrainer):
 
 # %% ../../nbs/15_distributed.ipynb #c023
 def _carry_messages(callback, bucket):
-    "DDP's all-reduce of a bucket of gradients (their mean), which also carries the callback's message, if it has one."
-    message, grads = callback._outgoing, bucket.buffer()
+    "DDP's all-reduce of a bucket of gradients (their mean), which also carries the callback's message and position, if any."
+    grads = bucket.buffer()
     # a bucket of another dtype than the losses' would round them (bf16 weights, a float32 loss): they go on their own
-    if message is None or bucket.index() != 0 or message.dtype != grads.dtype:  # as DDP does without a hook
+    message, position = ((t if t is not None and t.dtype == grads.dtype and bucket.index() == 0 else None)
+                         for t in (callback._outgoing, callback._position))
+    if message is None and position is None:  # as DDP does without a hook
         return dist.all_reduce(grads.div_(callback.world_size), async_op=True).get_future().then(_first_tensor)
-    callback._outgoing, size = None, len(message)
-    both = torch.cat([grads, message.to(grads)]).div_(callback.world_size)  # means: of the gradients and of the losses
+    if message is not None: callback._outgoing = None
+    riders = [t for t in (message, position) if t is not None]
+    both = torch.cat([grads, *(t.to(grads) for t in riders)]).div_(callback.world_size)  # means of them all
     def split(done):
         total = done.value()[0]
-        grads.copy_(total[:-size])
-        callback._incoming = total[-size:]
+        grads.copy_(total[:len(grads)])
+        rest = total[len(grads):]
+        if message is not None: callback._incoming, rest = rest[:len(message)], rest[len(message):]
+        if position is not None: callback._positions = rest
         return grads
     return dist.all_reduce(both, async_op=True).get_future().then(split)
 
@@ -547,6 +562,8 @@ def _send(self:DistributedTrainer):
     # a Ctrl-C, a stop request, a callback's cancel of the training phase, of the epoch
     flag = torch.tensor([float(self._here), float(self._stop_here), float(self._cancel_here == 1),
                          float(self._cancel_here == 2)])
+    dtype = losses.dtype if self._host_group is None else flag.dtype  # gloo: the message's; nccl: the host's flag
+    flag = torch.cat([flag.to(dtype), self._where(dtype)])  # and where this rank is (see `_in_step`)
     self._here = self._stop_here = False
     self._cancel_here = 0
     if self._host_group is None: self._outgoing = torch.cat([losses, flag.to(losses)])  # gloo: one message carries both
@@ -560,15 +577,17 @@ def _receive(self:DistributedTrainer):
     if incoming is None:  # no backward carried the message (its step ended before, in every rank): on its own, now
         incoming, self._outgoing = self._outgoing.div_(self.world_size), None
         if len(incoming): dist.all_reduce(incoming)  # (nccl with the flag alone: nothing for the GPUs to sum)
-    if self._flag is None: losses, flag = incoming[:-4], incoming[-4:]
+    size = 4 + 2 * self.world_size  # the flags, and where each rank is
+    if self._flag is None: losses, flag, scale = incoming[:-size], incoming[-size:], self.world_size  # their means
     else:
-        (flag, work), losses, self._flag = self._flag, incoming, None
+        (flag, work), losses, self._flag, scale = self._flag, incoming, None, 1  # their sums
         work.wait()
     for kept, mean in zip(self._sent, losses.unbind()): kept.copy_(mean)  # the tensors the Recorder holds
     self._sent = []
-    interrupted, stop, cut_train, cut_epoch = (bool(f > 0) for f in flag.tolist())
+    interrupted, stop, cut_train, cut_epoch = (bool(f > 0) for f in flag[:4].tolist())
     self._stop_agreed = self._stop_agreed or stop  # the next batch is cancelled, then the fit, in every rank
     self._cancel_agreed = max(self._cancel_agreed, 2 if cut_epoch else 1 if cut_train else 0)
+    self._check_in_step(flag[4:], scale)
     return interrupted
 
 @patch
@@ -685,8 +704,44 @@ def module(self:DistributedTrainer):
 @patch
 def gradient_sync(self:DistributedTrainer, due):
     "The backward of a batch: its gradients summed over the processes only when it ends the step (DDP's `no_sync`)."
-    if due: return nullcontext()
-    return self._ddp.no_sync() if self.strategy == 'ddp' else gradients_kept_unsharded(self.model)
+    if not due: return self._ddp.no_sync() if self.strategy == 'ddp' else gradients_kept_unsharded(self.model)
+    return self._in_step() if self.strategy == 'ddp' and self.world_size > 1 else nullcontext()
+
+@patch
+@contextmanager
+def _in_step(self:DistributedTrainer):
+    "A step's backward whose gradients carry where this rank is; after it, `RanksDisagree` in every rank if they parted."
+    p = next(self.model.parameters())
+    # only where it costs no wait: gloo's CPU tensors (nccl's would be read from the GPU), in a dtype that holds the counts
+    if self._host_group is not None or p.device.type != 'cpu' or p.dtype not in (torch.float32, torch.float64):
+        yield
+        return
+    self._position = self._where(p.dtype)
+    try: yield
+    finally: self._position, positions, self._positions = None, self._positions, None
+    if positions is not None: self._check_in_step(positions, self.world_size)
+
+@patch
+def _where(self:DistributedTrainer, dtype):
+    "Where this rank is: its training batches and cancels in this fit, in its column of a (2, world size) tensor, flattened."
+    where = torch.zeros(2, self.world_size, dtype=dtype)  # each rank fills its own column: their sum keeps them apart
+    if dtype in (torch.float32, torch.float64):  # exact counts (float32: to 2**24); else none, and nothing is compared
+        where[0, self.rank], where[1, self.rank] = self.train_iter % 2**20, self._cancels % 2**20
+    return where.flatten()
+
+@patch
+def _check_in_step(self:DistributedTrainer, where, scale):
+    "Raise `RanksDisagree` unless the ranks were at the same batch with as many cancels (`where`: their `_where`s' sum / `scale`)."
+    where = where.view(2, -1)
+    if torch.equal(where, where[:, :1].expand_as(where)): return
+    batches, cancels = where.mul(scale).round().long().tolist()
+    where = '; '.join(f"rank {r} at training batch {b} of the fit, {c} cancelled"
+                      for r, (b, c) in enumerate(zip(batches, cancels)))
+    raise RanksDisagree(f"the ranks' training parted ({where}): a callback raised CancelBatchException, "
+                        "CancelBackwardException or CancelStepException in some ranks only, so that their gradients "
+                        "would be averaged with other batches' or their weights would step apart. Raise those in every "
+                        "rank alike (decide by the batch's number, not by its data), or raise CancelTrainException, "
+                        "CancelEpochException or CancelFitException, which the ranks agree on")
 
 # %% ../../nbs/15_distributed.ipynb #fs3
 def local_bytes(tensors):

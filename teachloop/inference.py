@@ -31,7 +31,6 @@ from torch import nn
 
 from .core import atomic_write, check_save_path, written_by_rank_zero
 from .data import DataLoaders
-from .callback.distributed import whole_model
 from .learner import LOSS_ACTIVATIONS, Learner, check_state_matches, loss_activation, loss_decodes
 from .random_state import loader_generators, rng_states, set_rng_states
 
@@ -287,6 +286,8 @@ def export_failure(error):
             "the model in code and `learn.load(path)`).")
 
 # %% ../nbs/13b_export.ipynb #e057
+from .callback.distributed import whole_model  # a model sharded by FSDP2 (notebook 15a), whole
+
 def trace_and_write(model, inputs, facts, dynamic, init_args, path):
     "Trace `model` and write the program with `facts` to `path`; if the trace fails and `init_args` is given, the weights."
     try: program = export_model(model, inputs, dynamic)

@@ -259,7 +259,20 @@ def fetch_npm(name, spec, patterns):
 
 def write_sources():
     "The notebooks, home page and API page in docs/_build/src, and the execution cache ready for parallel readers."
-    with locked('sources'): _write_sources()
+    with locked('sources'):
+        # written from these very files already (by another test process, or the tests before `make docs`): done
+        stamp, written = sources_stamp(), SRC / '.written-from'
+        if written.exists() and written.read_text() == stamp: return
+        _write_sources()
+        write_if_changed(written, stamp)
+
+
+def sources_stamp():
+    "A hash of what the sources are written from: the notebooks, the library, the pages, this code, installed packages."
+    digest = hashlib.sha256(library_version().encode())
+    for path in sorted([*NBS.glob('*.ipynb'), *DOCS.glob('*.py'), *(ROOT / page for page in PAGES)]):
+        digest.update(path.name.encode() + b'\0' + path.read_bytes())
+    return digest.hexdigest()
 
 
 def _write_sources():

@@ -89,6 +89,27 @@ def site_sources():
     prepare.write_sources()
 
 
+def test_the_sources_are_written_again_only_when_what_they_come_from_changed(tmp_path, monkeypatch):
+    "The second test process, and `make docs` after the tests, find them written from the same files and skip the work."
+    (tmp_path / 'nbs').mkdir()
+    notebook = tmp_path / 'nbs' / 'a.ipynb'
+    notebook.write_text('{}')
+    writes = []
+    for name, value in {'NBS': tmp_path / 'nbs', 'SRC': tmp_path / 'src', '_write_sources': lambda: writes.append(1),
+                        'library_version': lambda: 'same library'}.items():
+        monkeypatch.setattr(prepare, name, value)
+    (tmp_path / 'src').mkdir()
+    prepare.write_sources()
+    prepare.write_sources()
+    assert len(writes) == 1
+    notebook.write_text('{"cells": []}')
+    prepare.write_sources()
+    assert len(writes) == 2
+    monkeypatch.setattr(prepare, 'library_version', lambda: 'another library')
+    prepare.write_sources()
+    assert len(writes) == 3
+
+
 @pytest.mark.notebook
 @pytest.mark.timeout(3600)  # a safety net: nbclient stops a cell after the site's limit (docs/conf.py)
 @pytest.mark.parametrize('stem', prepare.notebook_stems())

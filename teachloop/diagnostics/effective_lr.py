@@ -11,41 +11,11 @@ import math
 import torch
 
 from ..learner import Callback, gathered
-from ..optim.core import (adam_step, average_grad, average_sqr_grad, callback_facts, debias, declare_callback,
-                                 l2_reg, momentum_step, rms_prop_step, sgd_step, step_stat, weight_decay)
-from ..optim.more import (keep_slow_weights, lamb_step, lars_scale_grad, lion_step, lookahead_step,
-                                  nesterov_step, qhadam_step, radam_step, rectification)
+from ..optim.core import callback_facts
 
 # %% auto #0
 __all__ = ['torch_effective_lr', 'effective_lrs', 'layer_name', 'layer_label', 'effective_lr_stats', 'UpdateRatio',
            'EffectiveLRTracker']
-
-# %% ../../nbs/10_effective_lr.ipynb #c004
-def _constant_lr(p, state, lr, **hypers): return torch.full_like(p, lr)
-
-def _adam_factor(p, state, lr, mom, sqr_mom, eps, **hypers):
-    sqr_debiased = state['sqr_avg'] / debias(sqr_mom, 1 - sqr_mom, state['step'])
-    return lr / (sqr_debiased.sqrt() + eps)
-
-def _rms_prop_factor(p, state, lr, eps, **hypers): return lr / (state['sqr_avg'].sqrt() + eps)
-
-def _lamb_factor(p, state, **hypers): return _adam_factor(p, state, **hypers) * state['trust_ratio']
-
-def _radam_factor(p, state, lr, sqr_mom, eps, **hypers):
-    rect = rectification(sqr_mom, state['step'])
-    if rect is None: return torch.full_like(p, lr)
-    return lr * rect * math.sqrt(1 - sqr_mom ** state['step']) / (state['sqr_avg'].sqrt() + eps)
-
-def _trust_ratio_factor(p, state, **hypers): return state['trust_ratio']
-
-for step, factor in {sgd_step: _constant_lr, momentum_step: _constant_lr, nesterov_step: _constant_lr,
-                     lion_step: _constant_lr, rms_prop_step: _rms_prop_factor, adam_step: _adam_factor,
-                     qhadam_step: _adam_factor, radam_step: _radam_factor, lamb_step: _lamb_factor,
-                     lars_scale_grad: _trust_ratio_factor}.items():
-    declare_callback(step, effective_lr=factor)
-# Callbacks that keep state or change the gradient or the weights in another way have no factor of their own.
-for other in (weight_decay, l2_reg, average_grad, average_sqr_grad, step_stat, keep_slow_weights, lookahead_step):
-    declare_callback(other, effective_lr=None)
 
 # %% ../../nbs/10_effective_lr.ipynb #c006
 def _torch_adam_factor(p, state, group):

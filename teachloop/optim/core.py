@@ -139,7 +139,7 @@ class CallbackFacts:
     "What the library knows of one optimizer callback besides its code; each fact is declared where it is taught."
     hypers: object = MISSING  # rules for the hyper-parameters it reads: {name: (check(value), what it must be)}
     multi_tensor: object = MISSING  # its version working on a whole group of tensors at once (notebook 08)
-    effective_lr: object = MISSING  # `f(p, state, **hypers)`: its factor on each element's step, None if it has none (notebook 10)
+    effective_lr: object = MISSING  # `f(p, state, **hypers)`: its factor on each element's step, None if it has none
     changes_grad: bool = False  # it writes into `p.grad` (L2 adds to it): the optimizer then hands it a copy
     per_group: tuple = ()  # run once per group, not per parameter: the names of the values it keeps in the group
     whole: bool = False  # it reads a parameter's whole tensor (a norm, a matrix): on shards it runs on them gathered
@@ -181,15 +181,28 @@ def check_hyper(name, value):
     if not ok(value): raise ValueError(f"hyper-parameter {name!r} {rule}, got {value}")
 
 # %% ../../nbs/01_optimizer.ipynb #o05
-declare_callback(sgd_step, hypers={'lr': AT_LEAST_0})
-declare_callback(weight_decay, hypers={'lr': AT_LEAST_0, 'wd': AT_LEAST_0})
-declare_callback(l2_reg, hypers={'wd': AT_LEAST_0}, changes_grad=True)
-declare_callback(average_grad, hypers={'mom': IN_0_1})
-declare_callback(momentum_step, hypers={'lr': AT_LEAST_0})
-declare_callback(average_sqr_grad, hypers={'sqr_mom': IN_0_1})
-declare_callback(rms_prop_step, hypers={'lr': AT_LEAST_0, 'eps': ABOVE_0})
-declare_callback(step_stat, hypers={})
-declare_callback(adam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0})
+# The effective learning rate's factors (notebook 10): a plain step moves each weight by lr times its gradient, an
+# adaptive one by lr over the root of the weight's (debiased) average squared gradient
+def _constant_lr(p, state, lr, **hypers): return torch.full_like(p, lr)
+
+def _adam_factor(p, state, lr, mom, sqr_mom, eps, **hypers):
+    sqr_debiased = state['sqr_avg'] / debias(sqr_mom, 1 - sqr_mom, state['step'])
+    return lr / (sqr_debiased.sqrt() + eps)
+
+def _rms_prop_factor(p, state, lr, eps, **hypers): return lr / (state['sqr_avg'].sqrt() + eps)
+
+declare_callback(sgd_step, hypers={'lr': AT_LEAST_0}, effective_lr=_constant_lr)
+# callbacks that keep state or change the gradient or the weights in another way have no factor of their own
+declare_callback(weight_decay, hypers={'lr': AT_LEAST_0, 'wd': AT_LEAST_0}, effective_lr=None)
+declare_callback(l2_reg, hypers={'wd': AT_LEAST_0}, changes_grad=True, effective_lr=None)
+declare_callback(average_grad, hypers={'mom': IN_0_1}, effective_lr=None)
+declare_callback(momentum_step, hypers={'lr': AT_LEAST_0}, effective_lr=_constant_lr)
+declare_callback(average_sqr_grad, hypers={'sqr_mom': IN_0_1}, effective_lr=None)
+declare_callback(rms_prop_step, hypers={'lr': AT_LEAST_0, 'eps': ABOVE_0}, effective_lr=_rms_prop_factor)
+declare_callback(step_stat, hypers={}, effective_lr=None)
+declare_callback(adam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0},
+                 effective_lr=_adam_factor)
+
 
 # %% ../../nbs/01_optimizer.ipynb #c007
 # A hyper-parameter as a user gives it: a number for every group, one value per group, or a slice spread across them

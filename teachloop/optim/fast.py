@@ -17,16 +17,12 @@ import torch
 from .core import (_sharded, add_fast_step_planner, adam_step, average_grad, average_sqr_grad, callback_facts,
                                  debias, declare_callback, l2_reg, momentum_step, rms_prop_step, sgd_step, step_stat,
                                  weight_decay)
-from .more import (keep_slow_weights, lamb_step, lars_scale_grad, lion_step, lookahead_step,
-                                  nesterov_step, qhadam_step, radam_step, rectification, trust_ratio)
 
 # %% auto #0
 __all__ = ['fused_patterns', 'TensorGroup', 'multi_tensor_version_of', 'per_step_count', 'weight_decay_multi', 'l2_reg_multi',
            'sgd_step_multi', 'average_grad_multi', 'average_sqr_grad_multi', 'momentum_step_multi',
-           'rms_prop_step_multi', 'step_stat_multi', 'adam_step_multi', 'nesterov_step_multi', 'qhadam_step_multi',
-           'radam_step_multi', 'norms', 'decay_factors', 'lamb_step_multi', 'lars_scale_grad_multi', 'lion_step_multi',
-           'keep_slow_weights_multi', 'lookahead_step_multi', 'callback_key', 'fused_adam_step', 'fused_sgd_step',
-           'FastStep', 'plan_fast_step', 'callback_switches']
+           'rms_prop_step_multi', 'step_stat_multi', 'adam_step_multi', 'callback_key', 'fused_adam_step',
+           'fused_sgd_step', 'FastStep', 'plan_fast_step', 'callback_switches']
 
 # %% ../../nbs/08_fast_optimizers.ipynb #c004
 class TensorGroup:
@@ -144,109 +140,6 @@ def adam_step_multi(group, lr, mom, sqr_mom, eps, step, **kwargs):
     torch._foreach_addcdiv_(group.params, group.state_tensors('grad_avg'), denominators,
                             value=-lr / debias(mom, 1 - mom, step))
 
-# %% ../../nbs/08_fast_optimizers.ipynb #c012
-@multi_tensor_version_of(nesterov_step)
-def nesterov_step_multi(group, lr, mom, **kwargs):
-    "`nesterov_step` on every tensor of the group at once."
-    directions = torch._foreach_add(group.grads, group.state_tensors('grad_avg'), alpha=mom)
-    torch._foreach_add_(group.params, directions, alpha=-lr)
-
-@multi_tensor_version_of(qhadam_step)
-@per_step_count
-def qhadam_step_multi(group, lr, mom, sqr_mom, nu1, nu2, eps, step, **kwargs):
-    "`qhadam_step` on every tensor of the group at once."
-    numerators = torch._foreach_div(group.state_tensors('grad_avg'), debias(mom, 1 - mom, step))
-    torch._foreach_mul_(numerators, nu1)
-    torch._foreach_add_(numerators, group.grads, alpha=1 - nu1)
-    denominators = torch._foreach_div(group.state_tensors('sqr_avg'), debias(sqr_mom, 1 - sqr_mom, step))
-    torch._foreach_mul_(denominators, nu2)
-    torch._foreach_addcmul_(denominators, group.grads, group.grads, value=1 - nu2)
-    torch._foreach_sqrt_(denominators)
-    torch._foreach_add_(denominators, eps)
-    torch._foreach_addcdiv_(group.params, numerators, denominators, value=-lr)
-
-@multi_tensor_version_of(radam_step)
-@per_step_count
-def radam_step_multi(group, lr, mom, sqr_mom, eps, step, **kwargs):
-    "`radam_step` on every tensor of the group at once."
-    updates = torch._foreach_div(group.state_tensors('grad_avg'), debias(mom, 1 - mom, step))
-    torch._foreach_mul_(updates, lr)
-    rect = rectification(sqr_mom, step)
-    if rect is not None:
-        adaptive = torch._foreach_sqrt(group.state_tensors('sqr_avg'))
-        torch._foreach_add_(adaptive, eps)
-        torch._foreach_reciprocal_(adaptive)
-        torch._foreach_mul_(adaptive, math.sqrt(1 - sqr_mom ** step))
-        torch._foreach_mul_(updates, adaptive)
-        torch._foreach_mul_(updates, rect)
-    torch._foreach_sub_(group.params, updates)
-
-# %% ../../nbs/08_fast_optimizers.ipynb #u04
-def norms(tensors):
-    "The norm of each tensor, stacked into one tensor on their device."
-    return torch.stack(torch._foreach_norm(tensors))
-
-def decay_factors(group, wd):
-    "`wd` for the parameters that take weight decay, 0 for the others: a number when they all take it, else a tensor."
-    decayed = [s.get('do_wd', True) for s in group.states]
-    if all(decayed): return wd
-    # in the parameters' dtype: a float32 `wd` would round 5e-4 by 5e-8 and change float64 steps
-    return torch.tensor([wd if d else 0. for d in decayed], dtype=group.params[0].dtype, device=group.params[0].device)
-
-@multi_tensor_version_of(lamb_step)
-@per_step_count
-def lamb_step_multi(group, lr, mom, sqr_mom, eps, wd, step, **kwargs):
-    "`lamb_step` on every tensor of the group at once."
-    denominators = torch._foreach_sqrt(group.state_tensors('sqr_avg'))
-    torch._foreach_div_(denominators, math.sqrt(debias(sqr_mom, 1 - sqr_mom, step)))
-    torch._foreach_add_(denominators, eps)
-    updates = torch._foreach_div(group.state_tensors('grad_avg'), debias(mom, 1 - mom, step))
-    torch._foreach_div_(updates, denominators)
-    decayed = [i for i, s in enumerate(group.states) if s.get('do_wd', True)]
-    if wd != 0 and decayed:
-        torch._foreach_add_([updates[i] for i in decayed], [group.params[i] for i in decayed], alpha=wd)
-    ratios = trust_ratio(norms(group.params), norms(updates))
-    for state, ratio in zip(group.states, ratios.unbind()): state['trust_ratio'] = ratio
-    torch._foreach_mul_(updates, list((ratios * lr).unbind()))
-    torch._foreach_sub_(group.params, updates)
-
-@multi_tensor_version_of(lars_scale_grad)
-def lars_scale_grad_multi(group, lr, wd, trust_coeff, eps, clip=False, **kwargs):
-    "`lars_scale_grad` on every tensor of the group at once."
-    weight_norms, decays = norms(group.params), decay_factors(group, wd)
-    ratios = trust_ratio(trust_coeff * weight_norms, norms(group.grads) + decays * weight_norms + eps)
-    if clip: ratios = (ratios / lr).clamp_max_(1.)
-    l2_reg_multi(group, wd)
-    ratios = ratios.unbind()
-    for state, ratio in zip(group.states, ratios): state['trust_ratio'] = ratio
-    torch._foreach_mul_(group.grads, list(ratios))
-
-# %% ../../nbs/08_fast_optimizers.ipynb #u06
-@multi_tensor_version_of(lion_step)
-def lion_step_multi(group, lr, mom, avg_mom, **kwargs):
-    "`lion_step` on every tensor of the group at once."
-    averages = group.state_tensors('grad_avg')
-    directions = torch._foreach_lerp(averages, group.grads, 1 - mom)
-    torch._foreach_sign_(directions)
-    torch._foreach_add_(group.params, directions, alpha=-lr)
-    torch._foreach_lerp_(averages, group.grads, 1 - avg_mom)
-
-@multi_tensor_version_of(keep_slow_weights)
-def keep_slow_weights_multi(group, **kwargs):
-    "`keep_slow_weights` on every tensor of the group at once."
-    for p, state in zip(group.params, group.states):
-        if 'slow_weights' not in state: state.update(keep_slow_weights(p))
-
-@multi_tensor_version_of(lookahead_step)
-def lookahead_step_multi(group, k, alpha, **kwargs):
-    "`lookahead_step` on every tensor of the group at once."
-    for state in group.states: state['lookahead_count'] += 1
-    due = group.subset([i for i, s in enumerate(group.states) if s['lookahead_count'] % k == 0])
-    if not len(due): return
-    slow = due.state_tensors('slow_weights')
-    torch._foreach_lerp_(slow, due.params, alpha)
-    torch._foreach_copy_(due.params, slow)
-
 # %% ../../nbs/08_fast_optimizers.ipynb #c014
 def callback_key(cb):
     "What identifies a callback: its function and the keyword arguments fixed by `partial`."
@@ -273,7 +166,7 @@ def fused_sgd_step(group, lr, mom, nesterov=False, **kwargs):
     "The undampened average gradient and the (Nesterov) momentum step in one `torch._fused_sgd_` call."
     if mom == 0:  # the kernel skips the average then, but the callbacks keep it
         average_grad_multi(group, mom)
-        return (nesterov_step_multi if nesterov else momentum_step_multi)(group, lr=lr, mom=mom)
+        return momentum_step_multi(group, lr=lr)  # the plain step: with no momentum Nesterov's look-ahead adds nothing
     torch._fused_sgd_(group.params, group.grads, group.state_tensors('grad_avg'), weight_decay=0., momentum=mom,
                       lr=lr, dampening=0., nesterov=nesterov, maximize=False, is_first_step=False)
 
@@ -285,8 +178,8 @@ _adam_tail = [callback_key(partial(average_grad, dampening=True)), callback_key(
               callback_key(step_stat), callback_key(adam_step)]
 fused_patterns = [([callback_key(weight_decay)] + _adam_tail, partial(fused_adam_step, decoupled=True)),
                   ([callback_key(l2_reg)] + _adam_tail, partial(fused_adam_step, decoupled=False)),
-                  ([callback_key(average_grad), callback_key(momentum_step)], partial(fused_sgd_step, nesterov=False)),
-                  ([callback_key(average_grad), callback_key(nesterov_step)], partial(fused_sgd_step, nesterov=True))]
+                  ([callback_key(average_grad), callback_key(momentum_step)], partial(fused_sgd_step, nesterov=False))]
+# (Nesterov's, with nesterov=True, is declared beside Nesterov, in notebook 07)
 
 # %% ../../nbs/08_fast_optimizers.ipynb #c016
 class FastStep:

@@ -10,13 +10,17 @@ from functools import partial
 
 import torch
 
-from .core import (ABOVE_0, AT_LEAST_0, IN_0_1, SGD, Adam, Optimizer, average_grad, average_sqr_grad, debias,
-                                 declare_callback, declare_optimizer, l2_reg, momentum_step, step_stat, weight_decay)
+from .core import (ABOVE_0, AT_LEAST_0, IN_0_1, SGD, Adam, Optimizer, _adam_factor, _constant_lr, average_grad,
+                                 average_sqr_grad, debias, declare_callback, declare_optimizer, l2_reg, momentum_step,
+                                 step_stat, weight_decay)
+
 
 # %% auto #0
 __all__ = ['IN_0_1_CLOSED', 'WHOLE_AT_LEAST_1', 'ABOVE_0_TO_1', 'nesterov_step', 'Nesterov', 'qhadam_step', 'QHAdam',
            'rectification', 'radam_step', 'RAdam', 'adam_direction', 'trust_ratio', 'lamb_step', 'Lamb',
-           'lars_scale_grad', 'LARS', 'LARC', 'lion_step', 'Lion', 'keep_slow_weights', 'lookahead_step', 'Lookahead']
+           'lars_scale_grad', 'LARS', 'LARC', 'lion_step', 'Lion', 'keep_slow_weights', 'lookahead_step', 'Lookahead',
+           'nesterov_step_multi', 'qhadam_step_multi', 'radam_step_multi', 'norms', 'decay_factors', 'lamb_step_multi',
+           'lars_scale_grad_multi', 'lion_step_multi', 'keep_slow_weights_multi', 'lookahead_step_multi']
 
 # %% ../../nbs/07_optimizers.ipynb #c004
 IN_0_1_CLOSED = (lambda v: 0 <= v <= 1, "must be in [0, 1]")  # a mixing weight: both ends are meaningful
@@ -27,7 +31,7 @@ ABOVE_0_TO_1 = (lambda v: 0 < v <= 1, "must be in (0, 1]")
 def nesterov_step(p, lr, mom, grad_avg, **kwargs):
     "Move `p` by `-lr` times the gradient plus `mom` times the average gradient."
     p.add_(p.grad.add(grad_avg, alpha=mom), alpha=-lr)
-declare_callback(nesterov_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1})
+declare_callback(nesterov_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1}, effective_lr=_constant_lr)
 
 def Nesterov(params, lr, mom=0.9, wd=0., decouple_wd=True, fast=None):
     "SGD with Nesterov momentum (Sutskever et al. 2013)."
@@ -42,7 +46,8 @@ def qhadam_step(p, lr, mom, sqr_mom, nu1, nu2, step, grad_avg, sqr_avg, eps, **k
     sqr_average = sqr_avg / debias(sqr_mom, 1 - sqr_mom, step)
     denominator = sqr_average.mul_(nu2).addcmul_(p.grad, p.grad, value=1 - nu2).sqrt_().add_(eps)
     p.addcdiv_(numerator, denominator, value=-lr)
-declare_callback(qhadam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'nu1': IN_0_1_CLOSED, 'nu2': IN_0_1_CLOSED, 'eps': ABOVE_0})
+declare_callback(qhadam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'nu1': IN_0_1_CLOSED, 'nu2': IN_0_1_CLOSED, 'eps': ABOVE_0},
+                 effective_lr=_adam_factor)
 
 def QHAdam(params, lr=1e-3, mom=0.995, sqr_mom=0.999, nu1=0.7, nu2=1.0, eps=1e-8, wd=0., decouple_wd=True, fast=None):
     "Quasi-hyperbolic Adam (Ma and Yarats 2019), with the paper's recommended defaults."
@@ -64,7 +69,13 @@ def radam_step(p, lr, mom, sqr_mom, step, grad_avg, sqr_avg, eps, **kwargs):
     rect = rectification(sqr_mom, step)
     if rect is None: p.sub_(average * lr)
     else: p.sub_(average * lr * (math.sqrt(1 - sqr_mom ** step) / sqr_avg.sqrt().add_(eps)) * rect)
-declare_callback(radam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0})
+def _radam_factor(p, state, lr, sqr_mom, eps, **hypers):  # its effective learning rate (notebook 10)
+    rect = rectification(sqr_mom, state['step'])
+    if rect is None: return torch.full_like(p, lr)
+    return lr * rect * math.sqrt(1 - sqr_mom ** state['step']) / (state['sqr_avg'].sqrt() + eps)
+
+declare_callback(radam_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0},
+                 effective_lr=_radam_factor)
 
 def RAdam(params, lr=1e-3, mom=0.9, sqr_mom=0.999, eps=1e-8, wd=0., decouple_wd=True, fast=None):
     "Rectified Adam (Liu et al. 2020), with the paper's defaults."
@@ -91,7 +102,8 @@ def lamb_step(p, lr, mom, sqr_mom, step, grad_avg, sqr_avg, eps, wd, do_wd=True,
     p.sub_(update.mul_(ratio * lr))
     return {'trust_ratio': ratio}
 declare_callback(lamb_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'sqr_mom': IN_0_1, 'eps': ABOVE_0, 'wd': AT_LEAST_0},
-                 whole=True)  # its trust ratio reads the norms of the whole tensors
+                 whole=True,  # its trust ratio reads the norms of the whole tensors
+                 effective_lr=lambda p, state, **hypers: _adam_factor(p, state, **hypers) * state['trust_ratio'])
 
 def Lamb(params, lr=1e-3, mom=0.9, sqr_mom=0.999, eps=1e-6, wd=0.01, fast=None):
     "LAMB (You et al. 2019), with the paper's defaults."
@@ -110,7 +122,7 @@ def lars_scale_grad(p, lr, wd, trust_coeff, eps, clip=False, do_wd=True, **kwarg
     return {'trust_ratio': ratio}
 lars_scale_grad.defaults = dict(trust_coeff=1e-3, eps=1e-8)
 declare_callback(lars_scale_grad, hypers={'lr': AT_LEAST_0, 'wd': AT_LEAST_0, 'trust_coeff': ABOVE_0, 'eps': ABOVE_0},
-                 changes_grad=True)
+                 changes_grad=True, effective_lr=lambda p, state, **hypers: state['trust_ratio'])
 
 def LARS(params, lr, mom=0.9, wd=0., trust_coeff=1e-3, eps=1e-8, clip=False, fast=None):
     "LARS (You et al. 2017): SGD with momentum on gradients scaled per tensor; `clip=True` gives LARC."
@@ -128,7 +140,7 @@ def lion_step(p, lr, mom, avg_mom, grad_avg=None, **kwargs):
     p.add_(grad_avg.lerp(p.grad, 1 - mom).sign_(), alpha=-lr)
     grad_avg.lerp_(p.grad, 1 - avg_mom)
     return {'grad_avg': grad_avg}
-declare_callback(lion_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'avg_mom': IN_0_1})
+declare_callback(lion_step, hypers={'lr': AT_LEAST_0, 'mom': IN_0_1, 'avg_mom': IN_0_1}, effective_lr=_constant_lr)
 
 def Lion(params, lr=1e-4, mom=0.9, avg_mom=0.99, wd=0., fast=None):
     "Lion (Chen et al. 2023), with the paper's defaults."
@@ -138,7 +150,7 @@ def Lion(params, lr=1e-4, mom=0.9, avg_mom=0.99, wd=0., fast=None):
 def keep_slow_weights(p, slow_weights=None, **kwargs):
     "Copy the weights into `slow_weights` the first time."
     if slow_weights is None: return {'slow_weights': p.detach().clone(), 'lookahead_count': 0}
-declare_callback(keep_slow_weights, hypers={})
+declare_callback(keep_slow_weights, hypers={}, effective_lr=None)
 
 def lookahead_step(p, k, alpha, slow_weights, lookahead_count, **kwargs):
     "Every `k`-th step, move the slow weights by `alpha` towards `p` and restart `p` from them."
@@ -148,7 +160,7 @@ def lookahead_step(p, k, alpha, slow_weights, lookahead_count, **kwargs):
         p.copy_(slow_weights)
     return {'lookahead_count': lookahead_count}
 lookahead_step.defaults = dict(k=5, alpha=0.5)
-declare_callback(lookahead_step, hypers={'k': WHOLE_AT_LEAST_1, 'alpha': ABOVE_0_TO_1})
+declare_callback(lookahead_step, hypers={'k': WHOLE_AT_LEAST_1, 'alpha': ABOVE_0_TO_1}, effective_lr=None)
 
 def Lookahead(opt, k=5, alpha=0.5):
     "An optimizer doing what `opt` does plus Lookahead's pull-back: use it in place of `opt`."
@@ -227,3 +239,113 @@ declare_optimizer(Lookahead, [dict(inner='adam', lr=1e-2), dict(inner='sgd', lr=
                   make=_lookahead, reference=_lookahead_reference,
                   differences="the reference counts its k steps per group and pulls back all of the group's "
                   "parameters; here each parameter counts its own steps")
+
+# %% ../../nbs/07_optimizers.ipynb #mt02
+from .fast import (callback_key, fused_patterns, fused_sgd_step, l2_reg_multi, multi_tensor_version_of,
+                                  per_step_count)
+
+@multi_tensor_version_of(nesterov_step)
+def nesterov_step_multi(group, lr, mom, **kwargs):
+    "`nesterov_step` on every tensor of the group at once."
+    directions = torch._foreach_add(group.grads, group.state_tensors('grad_avg'), alpha=mom)
+    torch._foreach_add_(group.params, directions, alpha=-lr)
+
+# Nesterov's average and step are torch's fused SGD with nesterov=True (once, if this runs again)
+fused_patterns[:] = [p for p in fused_patterns if p[0] != [callback_key(average_grad), callback_key(nesterov_step)]] + [
+    ([callback_key(average_grad), callback_key(nesterov_step)], partial(fused_sgd_step, nesterov=True))]
+
+@multi_tensor_version_of(qhadam_step)
+@per_step_count
+def qhadam_step_multi(group, lr, mom, sqr_mom, nu1, nu2, eps, step, **kwargs):
+    "`qhadam_step` on every tensor of the group at once."
+    numerators = torch._foreach_div(group.state_tensors('grad_avg'), debias(mom, 1 - mom, step))
+    torch._foreach_mul_(numerators, nu1)
+    torch._foreach_add_(numerators, group.grads, alpha=1 - nu1)
+    denominators = torch._foreach_div(group.state_tensors('sqr_avg'), debias(sqr_mom, 1 - sqr_mom, step))
+    torch._foreach_mul_(denominators, nu2)
+    torch._foreach_addcmul_(denominators, group.grads, group.grads, value=1 - nu2)
+    torch._foreach_sqrt_(denominators)
+    torch._foreach_add_(denominators, eps)
+    torch._foreach_addcdiv_(group.params, numerators, denominators, value=-lr)
+
+@multi_tensor_version_of(radam_step)
+@per_step_count
+def radam_step_multi(group, lr, mom, sqr_mom, eps, step, **kwargs):
+    "`radam_step` on every tensor of the group at once."
+    updates = torch._foreach_div(group.state_tensors('grad_avg'), debias(mom, 1 - mom, step))
+    torch._foreach_mul_(updates, lr)
+    rect = rectification(sqr_mom, step)
+    if rect is not None:
+        adaptive = torch._foreach_sqrt(group.state_tensors('sqr_avg'))
+        torch._foreach_add_(adaptive, eps)
+        torch._foreach_reciprocal_(adaptive)
+        torch._foreach_mul_(adaptive, math.sqrt(1 - sqr_mom ** step))
+        torch._foreach_mul_(updates, adaptive)
+        torch._foreach_mul_(updates, rect)
+    torch._foreach_sub_(group.params, updates)
+
+# %% ../../nbs/07_optimizers.ipynb #mt04
+def norms(tensors):
+    "The norm of each tensor, stacked into one tensor on their device."
+    return torch.stack(torch._foreach_norm(tensors))
+
+def decay_factors(group, wd):
+    "`wd` for the parameters that take weight decay, 0 for the others: a number when they all take it, else a tensor."
+    decayed = [s.get('do_wd', True) for s in group.states]
+    if all(decayed): return wd
+    # in the parameters' dtype: a float32 `wd` would round 5e-4 by 5e-8 and change float64 steps
+    return torch.tensor([wd if d else 0. for d in decayed], dtype=group.params[0].dtype, device=group.params[0].device)
+
+@multi_tensor_version_of(lamb_step)
+@per_step_count
+def lamb_step_multi(group, lr, mom, sqr_mom, eps, wd, step, **kwargs):
+    "`lamb_step` on every tensor of the group at once."
+    denominators = torch._foreach_sqrt(group.state_tensors('sqr_avg'))
+    torch._foreach_div_(denominators, math.sqrt(debias(sqr_mom, 1 - sqr_mom, step)))
+    torch._foreach_add_(denominators, eps)
+    updates = torch._foreach_div(group.state_tensors('grad_avg'), debias(mom, 1 - mom, step))
+    torch._foreach_div_(updates, denominators)
+    decayed = [i for i, s in enumerate(group.states) if s.get('do_wd', True)]
+    if wd != 0 and decayed:
+        torch._foreach_add_([updates[i] for i in decayed], [group.params[i] for i in decayed], alpha=wd)
+    ratios = trust_ratio(norms(group.params), norms(updates))
+    for state, ratio in zip(group.states, ratios.unbind()): state['trust_ratio'] = ratio
+    torch._foreach_mul_(updates, list((ratios * lr).unbind()))
+    torch._foreach_sub_(group.params, updates)
+
+@multi_tensor_version_of(lars_scale_grad)
+def lars_scale_grad_multi(group, lr, wd, trust_coeff, eps, clip=False, **kwargs):
+    "`lars_scale_grad` on every tensor of the group at once."
+    weight_norms, decays = norms(group.params), decay_factors(group, wd)
+    ratios = trust_ratio(trust_coeff * weight_norms, norms(group.grads) + decays * weight_norms + eps)
+    if clip: ratios = (ratios / lr).clamp_max_(1.)
+    l2_reg_multi(group, wd)
+    ratios = ratios.unbind()
+    for state, ratio in zip(group.states, ratios): state['trust_ratio'] = ratio
+    torch._foreach_mul_(group.grads, list(ratios))
+
+# %% ../../nbs/07_optimizers.ipynb #mt06
+@multi_tensor_version_of(lion_step)
+def lion_step_multi(group, lr, mom, avg_mom, **kwargs):
+    "`lion_step` on every tensor of the group at once."
+    averages = group.state_tensors('grad_avg')
+    directions = torch._foreach_lerp(averages, group.grads, 1 - mom)
+    torch._foreach_sign_(directions)
+    torch._foreach_add_(group.params, directions, alpha=-lr)
+    torch._foreach_lerp_(averages, group.grads, 1 - avg_mom)
+
+@multi_tensor_version_of(keep_slow_weights)
+def keep_slow_weights_multi(group, **kwargs):
+    "`keep_slow_weights` on every tensor of the group at once."
+    for p, state in zip(group.params, group.states):
+        if 'slow_weights' not in state: state.update(keep_slow_weights(p))
+
+@multi_tensor_version_of(lookahead_step)
+def lookahead_step_multi(group, k, alpha, **kwargs):
+    "`lookahead_step` on every tensor of the group at once."
+    for state in group.states: state['lookahead_count'] += 1
+    due = group.subset([i for i, s in enumerate(group.states) if s['lookahead_count'] % k == 0])
+    if not len(due): return
+    slow = due.state_tensors('slow_weights')
+    torch._foreach_lerp_(slow, due.params, alpha)
+    torch._foreach_copy_(due.params, slow)

@@ -262,17 +262,28 @@ def write_sources():
     with locked('sources'):
         # written from these very files already (by another test process, or the tests before `make docs`): done
         stamp, written = sources_stamp(), SRC / '.written-from'
-        if written.exists() and written.read_text() == stamp: return
-        _write_sources()
-        write_if_changed(written, stamp)
+        outputs = [written, conf.API_NAMES, conf.SEARCH_SCORER]
+        if not (all(p.exists() for p in outputs) and written.read_text() == stamp):
+            _write_sources()
+            write_if_changed(written, stamp)
+        prepare_cache(len([p for p in SRC.iterdir() if not p.name.startswith('.')]))
 
 
 def sources_stamp():
     "A hash of what the sources are written from: the notebooks, the library, the pages, this code, installed packages."
     digest = hashlib.sha256(library_version().encode())
-    for path in sorted([*NBS.glob('*.ipynb'), *DOCS.glob('*.py'), *(ROOT / page for page in PAGES)]):
+    inputs = [*NBS.glob('*.ipynb'), *DOCS.glob('*.py'), *(DOCS / '_static').rglob('*'), *(ROOT / p for p in PAGES)]
+    for path in sorted(p for p in inputs if p.is_file()):
         digest.update(path.name.encode() + b'\0' + path.read_bytes())
     return digest.hexdigest()
+
+
+def prepare_cache(n_sources):
+    "The execution cache's database made (Sphinx's parallel readers would each make it, and all but one fail), its size set."
+    cache = get_cache(CACHE)
+    cache.db
+    # Each run of a changed notebook adds an entry; a few per notebook is enough to go back and forth.
+    cache.change_cache_limit(4 * n_sources)
 
 
 def _write_sources():
@@ -303,11 +314,6 @@ def _write_sources():
     write_if_changed(SRC / 'api.md', api.api_page({stem: title(nb) for stem, nb in notebooks.items()}))
     write_site_names(names, names_on, where)
     for stale in set(p.name for p in SRC.iterdir() if not p.name.startswith('.')) - written: (SRC / stale).unlink()
-    # Sphinx's parallel readers would each create the cache's database, and all but one fail.
-    cache = get_cache(CACHE)
-    cache.db
-    # Each run of a changed notebook adds an entry; a few per notebook is enough to go back and forth.
-    cache.change_cache_limit(4 * len(written))
 
 
 def notebook_stems():

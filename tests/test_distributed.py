@@ -332,6 +332,7 @@ class CancelInOneRank(Callback):
     def after_loss(self): self._maybe('after_loss')
     def before_backward(self): self._maybe('before_backward')
     def before_step(self): self._maybe('before_step')
+    def after_step(self): self._maybe('after_step')
     def after_batch(self): self._maybe('after_batch')
 
 
@@ -383,10 +384,18 @@ def test_a_cancel_of_a_batch_or_step_in_one_rank_alone_is_refused_at_the_next_st
         assert all(torch.equal(weights0[k], weights1[k]) for k in weights0)
 
 
-def test_a_step_skipped_in_one_rank_alone_under_fsdp2_is_refused_at_the_training_phase_end():
-    "Under FSDP2 nothing rides with the gradients: the ranks compare where they are through the host after each phase."
+def test_a_batch_cancelled_in_one_rank_after_its_step_parts_no_rank():
+    "Cancelled in `after_step` (as the learner's message suggests), the step was taken in every rank: nothing to refuse."
+    (iter0, refused0, weights0), (iter1, refused1, weights1) = run_ranks(cancel_alone, CancelBatchException, 'after_step',
+                                                                         'ddp', **FORK)
+    assert refused0 is refused1 is None and iter0 == iter1
+    assert all(torch.equal(weights0[k], weights1[k]) for k in weights0)
+
+
+def test_a_step_skipped_in_one_rank_alone_under_fsdp2_is_refused_at_the_next_message():
+    "Under FSDP2 nothing rides with a step's gradients: the ranks compare where they are in the next message (8 steps)."
     (iter0, refused0, _), (iter1, refused1, _) = run_ranks(cancel_alone, CancelStepException, 'before_step', 'fsdp', **FORK)
-    assert iter0 == iter1 and refused0 == refused1 and '0 cancelled; rank 1 at training batch' in refused0
+    assert iter0 == iter1 == 8 and refused0 == refused1 and '0 cancelled; rank 1 at training batch' in refused0
 
 
 def environment_variable(name): return os.environ.get(name)

@@ -247,3 +247,28 @@ def test_adam_without_weight_decay_takes_the_multi_tensor_step_and_equals_torch(
                 assert isinstance(step, FastStep) and 'adam_step_multi' in step.names
             o.step(); o.zero_grad()
     assert opt.state[next(model.parameters())]['step'] == 25 and max_diff(model, reference) <= TOL
+
+
+def test_an_undampened_average_of_squared_gradients_steps_alike_both_ways():
+    "`average_sqr_grad(dampening=False)` (a sum with decay, no optimizer of the library uses it): its multi-tensor version."
+    from teachloop.optim.core import Optimizer, average_sqr_grad, rms_prop_step
+    torch.manual_seed(0)
+    grads = [torch.randn(4, 3, dtype=torch.float64) for _ in range(3)]
+    weights = []
+    for fast in (True, False):
+        p = torch.nn.Parameter(torch.ones(4, 3, dtype=torch.float64))
+        opt = Optimizer([p], [partial(average_sqr_grad, dampening=False), rms_prop_step], fast=fast, lr=0.01,
+                        sqr_mom=0.9, eps=1e-8)
+        for g in grads:
+            p.grad = g.clone()
+            assert (opt.fast_step_for([p], opt.hypers[0]) is not None) == fast
+            opt.step()
+        weights.append(p.detach())
+    torch.testing.assert_close(weights[0], weights[1], rtol=1e-14, atol=0)  # float64, the same sums in another order
+
+
+def test_a_channels_last_weight_is_dense_memory_for_the_fused_kernels():
+    from teachloop.optim.fast import _dense
+    conv = torch.zeros(8, 3, 3, 3).to(memory_format=torch.channels_last)
+    volume = torch.zeros(8, 3, 2, 3, 3).to(memory_format=torch.channels_last_3d)
+    assert not conv.is_contiguous() and _dense(conv) and _dense(volume) and not _dense(torch.zeros(4, 6)[:, ::2])

@@ -239,6 +239,7 @@ def test_a_vocab_names_the_class_and_the_labels_that_are_on(trained, tmp_path):
     on = torch.zeros(10, dtype=torch.bool)
     on[[1, 7]] = True
     assert multi.named(on) == ['digit 1', 'digit 7']
+    assert multi.named(on[:7]) is not None and torch.equal(multi.named(on[:7]), on[:7])  # not one flag a label: as it is
     name, probs = multi.predict(torch.rand(1, 8, 8))
     assert name == [n for n, p in zip(names, probs.tolist()) if p > 0.5]
 
@@ -582,3 +583,11 @@ def test_a_weights_file_whose_facts_are_not_an_exports_is_refused(tmp_path, fact
     metadata = None if facts is None else {FACTS_FILE: json.dumps({**facts, 'model': 'torch.nn.Linear', 'init_args': {}})}
     path.write_bytes(safetensors.torch.save({'weight': torch.zeros(2, 2)}, metadata=metadata))
     with pytest.raises(ValueError, match='was not written by `learn.export`'): load_learner(path)
+
+
+def test_free_sizes_past_an_inputs_last_dimension_are_refused():
+    from teachloop.inference import check_dynamic
+    images = torch.zeros(2, 1, 8, 8)
+    check_dynamic([[1, 3]], (images,))
+    for beyond in (0, 4, 5):  # the batch, and dimensions the input does not have
+        with pytest.raises(ValueError): check_dynamic([[beyond]], (images,))

@@ -317,3 +317,28 @@ def test_torchs_name_for_the_momentum_is_followed_whatever_string_object_names_i
     key = ''.join(['be', 'tas'])
     opt.param_groups[0][key] = (0.5, 0.6)
     assert opt.hypers[0]['mom'] == 0.5 and opt.hypers[0]['sqr_mom'] == 0.6
+
+
+def test_the_effective_lr_rules_of_rmsprop_and_adam_give_the_step_each_weight_took():
+    "Each weight moved by its effective learning rate times its direction: the gradient (RMSProp), the debiased average (Adam)."
+    from teachloop.optim.core import Adam, RMSProp, adam_step, callback_facts, debias, rms_prop_step
+    torch.manual_seed(0)
+    for make, cb in ((partial(RMSProp, lr=0.01, mom=0., wd=0.), rms_prop_step), (partial(Adam, lr=0.01, wd=0.), adam_step)):
+        p = torch.nn.Parameter(torch.randn(5, dtype=torch.float64))
+        opt = make([p])
+        for _ in range(3):
+            p.grad = torch.randn(5, dtype=torch.float64)
+            before = p.detach().clone()
+            opt.step()
+        state, group = opt.state[p], opt.param_groups[0]
+        factor = callback_facts(cb).effective_lr(p, state, **{k: v for k, v in group.items() if k != 'params'})
+        direction = p.grad if cb is rms_prop_step else state['grad_avg'] / debias(group['mom'], 1 - group['mom'], state['step'])
+        # float64: the rule and the step compute the same quotient in another order (1e-16 apart)
+        torch.testing.assert_close(before - p.detach(), factor * direction, rtol=1e-12, atol=0)
+
+
+def test_rmsprop_has_torch_as_its_reference_at_its_defaults():
+    "The reference the contract suite compares RMSProp with: torch's RMSprop, for RMSProp's default settings."
+    from teachloop.optim.core import OPTIMIZERS
+    p = torch.nn.Parameter(torch.zeros(3))
+    assert isinstance(OPTIMIZERS['RMSProp'].reference([p], lr=0.1), torch.optim.RMSprop)

@@ -96,8 +96,11 @@ def test_the_sources_are_written_again_only_when_what_they_come_from_changed(tmp
     notebook.write_text('{}')
     writes = []
     for name, value in {'NBS': tmp_path / 'nbs', 'SRC': tmp_path / 'src', '_write_sources': lambda: writes.append(1),
-                        'library_version': lambda: 'same library'}.items():
+                        'library_version': lambda: 'same library', 'prepare_cache': lambda n: None}.items():
         monkeypatch.setattr(prepare, name, value)
+    for name in ('API_NAMES', 'SEARCH_SCORER'):  # what the writing leaves outside the sources' folder
+        monkeypatch.setattr(prepare.conf, name, tmp_path / name)
+        (tmp_path / name).write_text('written')
     (tmp_path / 'src').mkdir()
     prepare.write_sources()
     prepare.write_sources()
@@ -108,6 +111,9 @@ def test_the_sources_are_written_again_only_when_what_they_come_from_changed(tmp
     monkeypatch.setattr(prepare, 'library_version', lambda: 'another library')
     prepare.write_sources()
     assert len(writes) == 3
+    (tmp_path / 'API_NAMES').unlink()  # an output gone: written again
+    prepare.write_sources()
+    assert len(writes) == 4
 
 
 @pytest.mark.notebook

@@ -473,7 +473,9 @@ def after_train(self:DistributedTrainer):
 
 @patch
 def _count_cancel(self:DistributedTrainer):
-    if self.learn.training: self._cancels += 1  # a training batch, its backward or its step, cancelled in this rank
+    # a training batch, its backward or its step, cancelled in this rank before the step (one cancelled in
+    # `after_step` stepped with the others: it parts no rank)
+    if self.learn.training and not self.learn.step.took_step: self._cancels += 1
 
 DistributedTrainer.after_cancel_batch = DistributedTrainer.after_cancel_backward = DistributedTrainer._count_cancel
 DistributedTrainer.after_cancel_step = DistributedTrainer._count_cancel
@@ -654,6 +656,7 @@ def whole_model(model):
                          "one process (`learn.load(path)`) and use that")
     whole = copy.deepcopy(layout).to_empty(device='cpu')
     whole.load_state_dict({name: t.cpu() for name, t in gathered(model.state_dict()).items()})
+    for name, buffer in model.named_buffers(): whole.get_buffer(name).copy_(buffer)  # not saved ones too; never sharded
     return whole.train(model.training)
 
 def _strategy(learn, strategy):

@@ -105,7 +105,7 @@ def before_fit(self:TrainingDashboard):
     self._update_ratio, self._measure_next_step, self._ratio_pending = None, True, None
     # sharded between processes (FSDP2, notebook 15a), a layer's measures gather its shards: a collective, which every
     # rank must reach at the same step, whatever its frames' times
-    self._sharded = is_sharded(self.model)
+    self._sharded, self._steps = is_sharded(self.model), 0
     self._last_loss = self.learn.loss  # the last fit's: a batch still showing it was cancelled before its loss
     self.samples, self.batches_done, self.ticks, self._total = 0, 0, 0, None
     self._start, self._next_tick = time.perf_counter(), time.perf_counter() + self.refresh
@@ -143,11 +143,12 @@ def _extra_panels(self:TrainingDashboard):
 @patch
 def before_step(self:TrainingDashboard):
     # the step after a frame; sharded, every 10th step in every rank (see `before_fit`)
-    due = self.train_iter % 10 == 0 if self._sharded else self._measure_next_step
+    due = self._steps % 10 == 0 if self._sharded else self._measure_next_step
     if due: self._update_ratio = UpdateRatio(self.model)
 
 @patch
 def after_step(self:TrainingDashboard):
+    self._steps += 1
     if self._update_ratio is None: return
     self._ratio_pending = (self.train_iter, self._update_ratio.ratios(reset=False))
     self._update_ratio, self._measure_next_step = None, False

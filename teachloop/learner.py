@@ -1625,7 +1625,13 @@ def _joined(chunks, pad=None):
 
 def _joined_tensors(chunks, pad):
     "Tensors joined along the batch dimension; of different sizes past it: padded with `pad`, or a list with pad='list'."
-    if not chunks[0].ndim: return torch.stack(chunks)
+    scalars = [not c.ndim for c in chunks]
+    if all(scalars): return torch.stack(chunks)  # one number a batch (a loss, a batch of one item squeezed)
+    if any(scalars):
+        if pad == 'list': return list(chunks)
+        raise ValueError(f"the model's output has no batch dimension in {sum(scalars)} of {len(chunks)} batches (a "
+                         "`squeeze()` of a batch of one item?) and has one in the others: keep the batch dimension "
+                         "(`squeeze(-1)`, `flatten(1)`), or pass pad='list' for a list of the batches")
     shapes = {tuple(c.shape[1:]) for c in chunks}
     if len(shapes) == 1: return torch.cat(chunks)
     if pad == 'list': return list(chunks)

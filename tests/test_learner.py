@@ -1163,6 +1163,27 @@ def test_get_preds_joins_batches_of_different_widths_padded_or_as_a_list_and_ref
     assert torch.equal(item, 2 * by_hand[0][1])
 
 
+class Squeezed(nn.Module):
+    "One score an item, squeezed whole: a batch of one item gives a 0-d output."
+    def __init__(self): super().__init__(); self.lin = nn.Linear(2, 1, dtype=torch.float64)
+    def forward(self, x): return self.lin(x).squeeze()
+
+
+@pytest.mark.parametrize('sizes', [(1, 4), (4, 1)])
+def test_an_output_without_its_batch_dimension_in_some_batches_is_refused_by_name_or_listed(sizes):
+    "Unlabelled batches (labelled ones are refused at the loss, naming both shapes). Before: torch's stack error (the"
+    " first batch 0-d) or `len() of a 0-d tensor` (a later one), whatever `pad` asked."
+    generator = torch.Generator().manual_seed(0)
+    batches = [(x,) for x in (torch.randn(n, 2, generator=generator, dtype=torch.float64) for n in sizes)]  # unlabelled
+    model = Squeezed()
+    learn = Learner(DataLoaders(batches, batches), model, F.mse_loss, opt_func=SGD, default_cbs=False)
+    with pytest.raises(ValueError, match=r"no batch dimension in 1 of 2 batches .*squeeze\(\).*pad='list'"):
+        learn.get_preds()
+    preds = learn.get_preds(pad='list')[0]
+    with torch.no_grad(): by_hand = [model(x) for x, in batches]
+    assert [p.shape for p in preds] == [h.shape for h in by_hand] and all(torch.equal(p, h) for p, h in zip(preds, by_hand))
+
+
 @pytest.mark.parametrize('lengths, listed', [((3, 4, 5), '((3,), (4,), (5,)): pass'),
                                              ((6, 3, 5, 4), '((3,), (4,), (5,), ...): pass')])
 def test_outputs_of_many_widths_are_named_three_at_most(lengths, listed):

@@ -360,8 +360,8 @@ def test_a_cancel_raised_in_one_rank_is_agreed_by_every_rank_after_the_same_batc
     if cancel is CancelTrainException: assert not math.isnan(rows[0][2])  # its training cut short, the epoch was
 
 
-def cancel_alone(cancel, event, strategy):
-    learn = digits_learner_fp32(CancelInOneRank(cancel, event))
+def cancel_alone(cancel, event, strategy, at=3):
+    learn = digits_learner_fp32(CancelInOneRank(cancel, event, at))
     try:
         with learn.distributed(strategy=strategy): learn.fit(2)
     except RanksDisagree as e: refused = str(e)
@@ -369,18 +369,19 @@ def cancel_alone(cancel, event, strategy):
     return learn.train_iter, refused, {k: v.clone() for k, v in learn.model.state_dict().items()}
 
 
+@pytest.mark.parametrize('at', [3, 6, 7])  # 7: a batch that carries a message (every 8th), 6: the one before it
 @pytest.mark.parametrize('cancel, event', [(CancelBatchException, 'after_loss'), (CancelBackwardException, 'before_backward'),
                                            (CancelStepException, 'before_step')])
-def test_a_cancel_of_a_batch_or_step_in_one_rank_alone_is_refused_at_the_next_step(cancel, event):
+def test_a_cancel_of_a_batch_or_step_in_one_rank_alone_is_refused_at_the_next_step(cancel, event, at):
     "Before: a batch or backward cancelled in rank 1 alone ended in gloo's abort (SIGABRT), a step trained on apart silently."
-    (iter0, refused0, weights0), (iter1, refused1, weights1) = run_ranks(cancel_alone, cancel, event, 'ddp', **FORK)
+    (iter0, refused0, weights0), (iter1, refused1, weights1) = run_ranks(cancel_alone, cancel, event, 'ddp', at, **FORK)
     assert refused0 == refused1 and 'CancelBatchException, CancelBackwardException or CancelStepException' in refused0
-    if cancel is CancelStepException:  # both at step 4, rank 1 one step behind: refused with the weights apart
-        assert (iter0, iter1) == (4, 4) and 'rank 0 at training batch 4 of the fit, 0 cancelled; rank 1 at training ' \
-                                           'batch 4 of the fit, 1 cancelled' in refused0
-    else:  # rank 0's step 3 met rank 1's step 4: refused before the optimizer stepped on the mixed gradients
-        assert (iter0, iter1) == (3, 4) and 'rank 0 at training batch 3 of the fit, 0 cancelled; rank 1 at training ' \
-                                           'batch 4 of the fit, 1 cancelled' in refused0
+    if cancel is CancelStepException:  # both at the next step, rank 1 one step behind: refused with the weights apart
+        assert (iter0, iter1) == (at + 1, at + 1) and f'rank 0 at training batch {at + 1} of the fit, 0 cancelled; ' \
+                                                       f'rank 1 at training batch {at + 1} of the fit, 1 cancelled' in refused0
+    else:  # rank 0's step met rank 1's next one: refused before the optimizer stepped on the mixed gradients
+        assert (iter0, iter1) == (at, at + 1) and f'rank 0 at training batch {at} of the fit, 0 cancelled; rank 1 at ' \
+                                                  f'training batch {at + 1} of the fit, 1 cancelled' in refused0
         assert all(torch.equal(weights0[k], weights1[k]) for k in weights0)
 
 

@@ -504,14 +504,16 @@ def _carry_messages(callback, bucket):
     if message is None and position is None:  # as DDP does without a hook
         return dist.all_reduce(grads.div_(callback.world_size), async_op=True).get_future().then(_first_tensor)
     if message is not None: callback._outgoing = None
-    riders = [t for t in (message, position) if t is not None]
-    both = torch.cat([grads, *(t.to(grads) for t in riders)]).div_(callback.world_size)  # means of them all
+    # each step that carries where the rank is carries a message's room, one size in every step: the message, or
+    # nothing but where it is (a rank one batch ahead meets the others in an all-reduce of the same size; `_in_step`)
+    rider = message if message is not None else torch.cat([position.new_zeros(callback.agree_every + 5), position])
+    both = torch.cat([grads, rider.to(grads)]).div_(callback.world_size)  # means of them all
     def split(done):
         total = done.value()[0]
         grads.copy_(total[:len(grads)])
         rest = total[len(grads):]
-        if message is not None: callback._incoming, rest = rest[:len(message)], rest[len(message):]
-        if position is not None: callback._positions = rest
+        if message is not None: callback._incoming = rest
+        if position is not None: callback._positions = rest[len(rest) - len(position):]
         return grads
     return dist.all_reduce(both, async_op=True).get_future().then(split)
 
@@ -560,6 +562,8 @@ def takes_cancel(self:DistributedTrainer, cancel, event):
 def _send(self:DistributedTrainer):
     "Hand this step's gradients the losses since the last message and whether a Ctrl-C came (nccl: the flag goes by the host)."
     self._sent, self._losses = self._losses, []
+    if self._host_group is None:  # gloo: a message of one size, `agree_every` losses at most (the rest go next)
+        self._sent, self._losses = self._sent[:self.agree_every], self._sent[self.agree_every:]
     losses = torch.stack(self._sent) if self._sent else torch.zeros(0)  # none: the Ctrl-C flag alone
     # a Ctrl-C, a stop request, a callback's cancel of the training phase, of the epoch
     flag = torch.tensor([float(self._here), float(self._stop_here), float(self._cancel_here == 1),
@@ -568,7 +572,10 @@ def _send(self:DistributedTrainer):
     flag = torch.cat([flag.to(dtype), self._where(dtype)])  # and where this rank is (see `_in_step`)
     self._here = self._stop_here = False
     self._cancel_here = 0
-    if self._host_group is None: self._outgoing = torch.cat([losses, flag.to(losses)])  # gloo: one message carries both
+    if self._host_group is None:  # gloo: one message carries both: the losses in `agree_every` places, their count
+        room = losses.new_zeros(self.agree_every - len(losses) + 1)
+        room[-1] = len(losses)
+        self._outgoing = torch.cat([losses, room, flag.to(losses)])
     else:  # the losses stay on their GPU (no wait for them), the flag is a host value
         self._outgoing, self._flag = losses, (flag, dist.all_reduce(flag, group=self._host_group, async_op=True))
 
@@ -579,8 +586,10 @@ def _receive(self:DistributedTrainer):
     if incoming is None:  # no backward carried the message (its step ended before, in every rank): on its own, now
         incoming, self._outgoing = self._outgoing.div_(self.world_size), None
         if len(incoming): dist.all_reduce(incoming)  # (nccl with the flag alone: nothing for the GPUs to sum)
-    size = 4 + 2 * self.world_size  # the flags, and where each rank is
-    if self._flag is None: losses, flag, scale = incoming[:-size], incoming[-size:], self.world_size  # their means
+    if self._flag is None:  # their means: the losses, their count, the flags and where each rank is
+        flag, scale = incoming[self.agree_every + 1:], self.world_size
+        self._check_in_step(flag[4:], scale)  # first: ranks that parted sent other counts
+        losses = incoming[:round(float(incoming[self.agree_every]))]
     else:
         (flag, work), losses, self._flag, scale = self._flag, incoming, None, 1  # their sums
         work.wait()
@@ -597,7 +606,7 @@ def _flush(self:DistributedTrainer):
     "At a training phase's or a fit's end: the message on hand and the losses not sent yet, agreed on now."
     if not self.distributed: return
     if self._sent: self._receive()
-    if self._losses:
+    while self._losses:  # (more than one message holds, after batches cancelled before their backward)
         self._send()
         self._receive()
 

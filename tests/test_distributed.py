@@ -915,6 +915,26 @@ def test_save_and_export_in_the_block_write_the_whole_model_once(tmp_path, strat
     assert torch.equal(exported.model(x), learn.model.eval()(x))
 
 
+def export_of_a_model_that_cannot_be_copied(folder):
+    "A forward hook holding a lock (which no copy takes): sharded all the same; `export` refused, saying why."
+    import threading
+    class Guarded:
+        def __init__(self): self.lock = threading.Lock()
+        def __call__(self, module, inputs, output): return output
+    learn = float64_learner()
+    learn.model.register_forward_hook(Guarded())
+    with learn.distributed(strategy='fsdp'):
+        learn.fit(1)
+        try: learn.export(folder / 'guarded.pt2')
+        except ValueError as e: return str(e)
+
+
+def test_a_model_that_cannot_be_copied_still_shards_and_its_export_says_why(tmp_path):
+    refused = run_ranks(export_of_a_model_that_cannot_be_copied, tmp_path, **FORK)
+    assert refused[0] == refused[1] and 'could not be copied before sharding (TypeError' in refused[0]
+    assert not (tmp_path / 'guarded.pt2').exists()
+
+
 def export_of_a_model_sharded_by_hand(folder):
     "`fully_shard` called by the user, not by `learn.distributed`: `export` refused in the block, nothing written."
     from torch.distributed.fsdp import fully_shard

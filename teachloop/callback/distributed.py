@@ -642,7 +642,8 @@ _LAYOUTS = weakref.WeakKeyDictionary()  # a model `shard_model` sharded -> its u
 def shard_model(model):
     "Shard `model` with FSDP2: each child module with parameters on its own (a container left to its parent), then the whole."
     from torch.distributed.fsdp import fully_shard
-    _LAYOUTS[model] = layout_of(model)  # before FSDP2 changes the modules' classes (a sharded module refuses a copy)
+    try: _LAYOUTS[model] = layout_of(model)  # before FSDP2 changes the modules' classes (a sharded module refuses a copy)
+    except Exception as e: _LAYOUTS[model] = f"it could not be copied before sharding ({type(e).__name__}: {e})"  # said at export
     for child in model.children():
         if not isinstance(child, _CONTAINERS) and any(p.requires_grad for p in child.parameters()): fully_shard(child)
     fully_shard(model)
@@ -652,14 +653,15 @@ def layout_of(model):
     "A copy of `model` on the meta device: its modules, and its tensors' shapes and dtypes without their data."
     meta = {id(t): nn.Parameter(t.detach().to('meta'), t.requires_grad) if isinstance(t, nn.Parameter) else t.to('meta')
             for t in (*model.parameters(), *model.buffers())}
+    # hooks are copied too: some compute what the forward pass uses (weight_norm); one that cannot be copied is said
     return copy.deepcopy(model, meta)
 
 def whole_model(model):
     "`model` if it is whole; if `shard_model` sharded it, a whole copy on the CPU with the gathered weights (every rank calls it)."
     if not is_sharded(model): return model
-    layout = _LAYOUTS.get(model)
-    if layout is None:
-        raise ValueError("the model was sharded by `fully_shard` itself, and FSDP2's modules cannot be copied whole: let "
+    layout = _LAYOUTS.get(model, "it was sharded by `fully_shard` itself")
+    if isinstance(layout, str):
+        raise ValueError(f"the model cannot be exported whole: {layout}, and FSDP2's modules cannot be copied: let "
                          "`learn.distributed(strategy='fsdp')` shard the model instead, or save its weights whole with "
                          "`learn.save(path)` in the block (rank 0 writes them), load them into the unsharded model in "
                          "one process (`learn.load(path)`) and use that")

@@ -1,19 +1,16 @@
 __version__ = "0.1.0"
 
-# What a module adds to the modules below it is there whichever module a user imports first: importing any submodule
-# runs this file, which imports every module that extends a lower one, so the library behaves the same in any import
-# order (tests/test_structure.py checks it). They add: the multi-tensor steps to the optimizer (`optim.fast`), the
-# default callbacks to every learner (`callback.core`), the Learner's methods of the later notebooks (`fit_one_cycle`,
-# `lr_find`, `fine_tune`, `save_checkpoint`, `export`, `distributed`, ...) and each optimizer part's declared facts (every optimizer
-# module). (nbdev writes only the version line here; an import from the package root makes no cycle between the
-# modules.)
+# What a module adds to the modules below it is there whichever module a user imports first.
+# - The optimizer modules add to the generic optimizer (`optim.fast` the multi-tensor steps, every optimizer module its
+#   optimizers' declared facts). Importing any submodule runs this file, which imports them.
+# - The modules of later notebooks that add to the Learner (its default callbacks, and `fit_one_cycle`, `lr_find`,
+#   `fine_tune`, `save_checkpoint`, `export`, `distributed`, ...) are named here, and imported when the first learner
+#   is made (teachloop.learner): importing the optimizers loads no callback.
+# tests/test_structure.py checks both. (nbdev writes only the version line here.)
 import teachloop.optim.fast  # noqa: E402,F401
 import teachloop.optim.more  # noqa: E402,F401
 import teachloop.optim.recent  # noqa: E402,F401
 import teachloop.optim.interop  # noqa: E402,F401
-import teachloop.callback.core  # noqa: E402,F401
-import teachloop.callback.schedule  # noqa: E402,F401
-import teachloop.fine_tune  # noqa: E402,F401
-import teachloop.callback.checkpoint  # noqa: E402,F401
-import teachloop.inference  # noqa: E402,F401
-import teachloop.callback.distributed  # noqa: E402,F401
+
+LEARNER_ADDITIONS = ('teachloop.callback.core', 'teachloop.callback.schedule', 'teachloop.fine_tune',
+                     'teachloop.callback.checkpoint', 'teachloop.inference', 'teachloop.callback.distributed')

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 import itertools
 import os
 import re
 import shutil
+import sys
 import threading
 import warnings
 import weakref
@@ -25,6 +27,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+import teachloop  # the package root: it names the modules that add to every learner
+
 from .core import (InterruptGate, atomic_save, check_count, check_save_path, process_count, process_rank,
                             several_processes, written_by_rank_zero)
 from .data import DataLoaders
@@ -33,14 +37,14 @@ from .random_state import (loader_generators, rng_readers, rng_states, same_stat
                                     set_rng_states, set_seed)
 
 # %% auto #0
-__all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'ONE_PROCESS', 'Splitter', 'LOSS_ACTIVATIONS',
-           'REGRESSION_LOSSES', 'COMPILED_PREFIX', 'SHARDED_STATE_FILE', 'PAD_OPTIONS', 'CancelBatchException',
-           'CancelBackwardException', 'CancelStepException', 'CancelTrainException', 'CancelValidException',
-           'CancelEpochException', 'CancelFitException', 'snake_name', 'check_event_names', 'Callback',
-           'set_optimizer_mode', 'TrainEvalCallback', 'add_default_callbacks', 'OneProcess', 'gathered', 'FitState',
-           'TrainingStep', 'StepSetting', 'default_splitter', 'Learner', 'callback_list', 'GatherPreds',
-           'softmax_over_classes', 'most_probable_class', 'above_half', 'activation_known', 'loss_activation',
-           'loss_decodes', 'clip_gradients', 'loader_length', 'SkipBatches', 'epoch_seeded', 'end_workers',
+__all__ = ['CANCEL_EXCEPTIONS', 'EVENTS', 'BATCH_EVENTS', 'DEFAULT_CALLBACKS', 'Splitter', 'LOSS_ACTIVATIONS',
+           'REGRESSION_LOSSES', 'ONE_PROCESS', 'COMPILED_PREFIX', 'SHARDED_STATE_FILE', 'PAD_OPTIONS',
+           'CancelBatchException', 'CancelBackwardException', 'CancelStepException', 'CancelTrainException',
+           'CancelValidException', 'CancelEpochException', 'CancelFitException', 'snake_name', 'check_event_names',
+           'Callback', 'set_optimizer_mode', 'TrainEvalCallback', 'add_default_callbacks', 'default_splitter',
+           'Learner', 'callback_list', 'GatherPreds', 'softmax_over_classes', 'most_probable_class', 'above_half',
+           'activation_known', 'loss_activation', 'loss_decodes', 'FitState', 'TrainingStep', 'StepSetting',
+           'OneProcess', 'gathered', 'clip_gradients', 'loader_length', 'SkipBatches', 'epoch_seeded', 'end_workers',
            'batch_shape', 'HyperParameterClash', 'check_fit_args', 'sharded_like', 'shards_of', 'opt_shards_of',
            'state_for', 'check_state_matches', 'new_optimizer', 'optimizer_with_state', 'restore_training_state',
            'saved_file', 'remove_saved', 'save_in_shards', 'load_shards', 'in_shards', 'empty_to_load',
@@ -192,133 +196,6 @@ def add_default_callbacks(*makes):
     for make in makes:  # by name: running a notebook's cell again defines the class again
         DEFAULT_CALLBACKS[:] = [m for m in DEFAULT_CALLBACKS if m.__name__ != make.__name__] + [make]
 
-# %% ../nbs/04_learner.ipynb #c013q
-class OneProcess:
-    "How a fit's callbacks combine values with other processes that train the same model (`learn.processes`): there are none."
-    several = False
-    def sum(self, tensor): return tensor
-    def any(self, flag): return bool(flag)
-    def gather(self, value): return [value]
-    def whole_set(self, dl, *kept): return kept  # what each batch of `dl` gave: all there is
-
-ONE_PROCESS = OneProcess()
-
-def gathered(value):
-    "`value` (a state dict, nested) with each sharded tensor gathered whole (every rank calls it: it is a collective)."
-    if _sharded(value): return whole_tensor(value)  # under the hood
-    if isinstance(value, dict): return {k: gathered(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)): return type(value)(gathered(v) for v in value)
-    return value
-
-# %% ../nbs/04_learner.ipynb #fs02
-class FitState:
-    "Where a fit is: the epoch, the batch, the training batches done, the share of the fit they are, and the phase."
-    POSITION = ('n_epoch', 'epoch', 'start_epoch', 'n_iter', 'iter', 'train_iter', 'pct_train', 'training')
-
-    def __init__(self):
-        self.n_epoch = self.epoch = self.start_epoch = self.epochs_done = self.n_iter = self.iter = self.train_iter = 0
-        self.pct_train, self.training, self.phase, self.fitting = 0., False, None, False
-        self.batches_done, self.stop_requested = 0, False  # training batches done in this epoch; a stop asked for
-        self.interrupted_by, self._seeded = None, None  # what ended the last fit; a loader rebuilt for it (below)
-        self._reset_notes()  # what a resumed fit needs: under the hood, at the end
-
-    def start_fit(self, n_epoch):
-        "A fit of `n_epoch` epochs begins at its start (a resumed fit then moves to where its checkpoint was)."
-        self.n_epoch, self.start_epoch, self.epochs_done, self.train_iter, self.pct_train = n_epoch, 0, 0, 0, 0.
-        self.epoch, self.stop_requested, self.phase, self.fitting, self.interrupted_by = 0, False, None, True, None
-        self._reset_notes()
-
-    def start_phase(self, training, n_iter, skipped=0):
-        "A training or validation phase of `n_iter` batches (None: a loader with no length) begins, `skipped` of them done."
-        self.training, self.n_iter, self.iter = training, n_iter or 0, skipped
-        if not self.fitting: return  # a validation or predictions outside a fit: the fit's position stays
-        self.phase = 'train' if training else 'valid'
-        if training: self.batches_done = skipped
-
-    def batch_done(self):
-        "A training batch is over: it counts, and the share of the fit done moves on."
-        self.train_iter += 1
-        self.batches_done += 1
-        if self.n_iter: self.pct_train = self.train_iter / (self.n_iter * self.n_epoch)
-        self._note_boundary()  # what the next batch starts from, for a resume: under the hood
-
-# %% ../nbs/04_learner.ipynb #st02
-class TrainingStep:
-    "One optimizer step as a transaction: each batch's forward, loss and backward, then check, clip and step, or nothing."
-    def __init__(self):
-        self.configure(())
-        self.start_fit()  # nothing set aside yet (under the hood: the gradients of a step's earlier batches)
-
-    def configure(self, cbs):
-        "The plain step, with the parts that the `StepSetting` callbacks among `cbs` set (refused if two set one part)."
-        self.precision = self.check = self.parallel = None  # mixed precision, NaN capture, several processes
-        self.n_acc, self.max_norm, self.norm_type = None, None, 2.  # samples a step; clipping of the gradients' norm
-        self.snapshot = False  # keep each training batch's BatchNorm statistics at its start (see under the hood)
-        setters = {}
-        for cb in cbs:
-            if not isinstance(cb, StepSetting): continue
-            for part in cb.parts:
-                if part in setters:
-                    raise ValueError(f"{type(setters[part]).__name__} {setters[part].name!r} and {type(cb).__name__} "
-                                     f"{cb.name!r} both set the training step's `{part}`: keep one")
-                setters[part] = cb
-            cb.apply_to(self)
-
-    def forward(self, model, xb, training):
-        "The model's output; a training batch goes through the processes' wrapper when several train together."
-        module = self.parallel.module if training and self.parallel is not None else model
-        return module(*xb)
-
-    def plan(self, n_samples, last_of_epoch):
-        "A training batch of `n_samples` (in each process) counts towards the step: whether it ends it (`due`)."
-        self.due = self._ends_step(n_samples, last_of_epoch)
-
-    def backward(self, opt, loss):
-        "Backpropagate the batch's share of the step's loss; several processes sum their gradients at the step's last batch."
-        if self.n_acc is not None: loss = loss * (self._batch_samples / self.n_acc)  # its share of one big batch
-        if self.precision is not None: loss = self.precision.scale(loss)
-        with self._gradient_sync(opt): loss.backward()
-        self._backed = True
-
-# %% ../nbs/04_learner.ipynb #st02b
-@patch
-def gradients_ready(self:TrainingStep, opt):
-    "Whether this batch ends a step; if so the step's gradients are made whole: added up, averaged, unscaled."
-    if not self.due: return False
-    self._add_kept(opt)
-    self._average_short_step(opt)
-    if self.precision is not None: self.precision.unscale(opt)
-    return True
-
-@patch
-def apply(self:TrainingStep, opt, model):
-    "Skip the step when its gradients are not finite; else clip them and step."
-    if self.precision is not None and self.precision.skips(opt): return
-    if self.check is not None: self.check.check(opt)
-    if self.max_norm is not None: clip_gradients(model, self.max_norm, self.norm_type)
-    opt.step()
-    self.took_step = True  # until the next batch: the weights are a step ahead of the batch's start
-    for part in (self.precision, self.check):
-        if part is not None: part.stepped()
-
-@patch
-def end_batch(self:TrainingStep, opt, outcome):
-    "After a batch `outcome` 'done', 'cancelled' or 'failed': the step ends, or the batch's gradients wait for its next batch."
-    if self.precision is not None: self.precision.end_batch()
-    if outcome != 'failed' and self.due: self.kept, self.samples = None, 0  # the step is over: taken, skipped or dropped
-    elif outcome == 'done' and self._backed: self._set_aside(opt)  # checked first, when a NaN check is on
-    opt.zero_grad()  # also a batch cancelled or failed: its gradients never count (the step's earlier ones stay aside)
-    self.due = self._backed = self._kept_added = False
-
-# %% ../nbs/04_learner.ipynb #st03
-class StepSetting(Callback):
-    "A callback that sets parts of the training step (`learn.step`) for the fits it takes part in; the step runs them."
-    parts = ()  # the names of the step's attributes it sets
-
-    def apply_to(self, step: TrainingStep) -> None:
-        "Set this callback's parts of `step`."
-        raise NotImplementedError(f"{type(self).__name__} must say how it sets {self.parts} of the step")
-
 # %% ../nbs/04_learner.ipynb #c015
 # What a splitter returns: the model's parameters in groups, each group with hyper-parameters of its own
 Splitter = Callable[[nn.Module], Sequence[Sequence[torch.Tensor]]]
@@ -394,16 +271,9 @@ class Learner:
         return f"Learner(model={type(self.model).__name__}, cbs=[{', '.join(type(c).__name__ for c in self.cbs)}])"
 
 # %% ../nbs/04_learner.ipynb #c016p
-def _position(name):
-    "The learner's attribute `name` of its fit's position, read from (and written to) `fit_state`."
-    return property(lambda learn: getattr(learn.fit_state, name), lambda learn, v: setattr(learn.fit_state, name, v),
-                    doc=f"`learn.fit_state.{name}`")
-
-for _name in FitState.POSITION: setattr(Learner, _name, _position(_name))
-
 @patch(as_prop=True)
 def processes(self:Learner) -> Any:
-    "How callbacks combine a value with the other processes training with this one (see above): the step's."
+    "How callbacks combine a value with the other processes training with this one: the step's (see below)."
     return self.step.parallel.processes if self.step.parallel is not None else ONE_PROCESS
 
 @patch
@@ -417,6 +287,7 @@ def _callback_named(learn, attr):
     if not attr.startswith('_'):
         for cb in learn.__dict__.get('cbs', ()):
             if cb.name == attr: return cb
+        if _load_learner_additions(): return getattr(learn, attr)  # a learner unpickled before any was made
     hint = _METHODS_FROM.get(attr)
     raise AttributeError(f"'Learner' has no attribute or callback named {attr!r}"
                          + (f"; `import {hint}` adds it" if hint else ''))
@@ -836,6 +707,141 @@ def load(self:Learner, path: os.PathLike | str, with_opt: bool = True) -> Learne
             self.opt.load_state_dict(opt_shards_of(self.opt, obj['opt']))  # a sharded model's: cut (under the hood)
         self.model.load_state_dict(shards_of(self.model, state_for(self.model, obj['model'])))
     return self
+
+# %% ../nbs/04_learner.ipynb #fs02
+class FitState:
+    "Where a fit is: the epoch, the batch, the training batches done, the share of the fit they are, and the phase."
+    POSITION = ('n_epoch', 'epoch', 'start_epoch', 'n_iter', 'iter', 'train_iter', 'pct_train', 'training')
+
+    def __init__(self):
+        self.n_epoch = self.epoch = self.start_epoch = self.epochs_done = self.n_iter = self.iter = self.train_iter = 0
+        self.pct_train, self.training, self.phase, self.fitting = 0., False, None, False
+        self.batches_done, self.stop_requested = 0, False  # training batches done in this epoch; a stop asked for
+        self.interrupted_by, self._seeded = None, None  # what ended the last fit; a loader rebuilt for it (below)
+        self._reset_notes()  # what a resumed fit needs: under the hood, at the end
+
+    def start_fit(self, n_epoch):
+        "A fit of `n_epoch` epochs begins at its start (a resumed fit then moves to where its checkpoint was)."
+        self.n_epoch, self.start_epoch, self.epochs_done, self.train_iter, self.pct_train = n_epoch, 0, 0, 0, 0.
+        self.epoch, self.stop_requested, self.phase, self.fitting, self.interrupted_by = 0, False, None, True, None
+        self._reset_notes()
+
+    def start_phase(self, training, n_iter, skipped=0):
+        "A training or validation phase of `n_iter` batches (None: a loader with no length) begins, `skipped` of them done."
+        self.training, self.n_iter, self.iter = training, n_iter or 0, skipped
+        if not self.fitting: return  # a validation or predictions outside a fit: the fit's position stays
+        self.phase = 'train' if training else 'valid'
+        if training: self.batches_done = skipped
+
+    def batch_done(self):
+        "A training batch is over: it counts, and the share of the fit done moves on."
+        self.train_iter += 1
+        self.batches_done += 1
+        if self.n_iter: self.pct_train = self.train_iter / (self.n_iter * self.n_epoch)
+        self._note_boundary()  # what the next batch starts from, for a resume: under the hood
+
+def _position(name):
+    "The learner's attribute `name` of its fit's position, read from (and written to) `fit_state`."
+    return property(lambda learn: getattr(learn.fit_state, name), lambda learn, v: setattr(learn.fit_state, name, v),
+                    doc=f"`learn.fit_state.{name}`")
+
+for _name in FitState.POSITION: setattr(Learner, _name, _position(_name))  # `learn.epoch`, `learn.iter`, ...
+
+
+# %% ../nbs/04_learner.ipynb #st02
+class TrainingStep:
+    "One optimizer step as a transaction: each batch's forward, loss and backward, then check, clip and step, or nothing."
+    def __init__(self):
+        self.configure(())
+        self.start_fit()  # nothing set aside yet (under the hood: the gradients of a step's earlier batches)
+
+    def configure(self, cbs):
+        "The plain step, with the parts that the `StepSetting` callbacks among `cbs` set (refused if two set one part)."
+        self.precision = self.check = self.parallel = None  # mixed precision, NaN capture, several processes
+        self.n_acc, self.max_norm, self.norm_type = None, None, 2.  # samples a step; clipping of the gradients' norm
+        self.snapshot = False  # keep each training batch's BatchNorm statistics at its start (see under the hood)
+        setters = {}
+        for cb in cbs:
+            if not isinstance(cb, StepSetting): continue
+            for part in cb.parts:
+                if part in setters:
+                    raise ValueError(f"{type(setters[part]).__name__} {setters[part].name!r} and {type(cb).__name__} "
+                                     f"{cb.name!r} both set the training step's `{part}`: keep one")
+                setters[part] = cb
+            cb.apply_to(self)
+
+    def forward(self, model, xb, training):
+        "The model's output; a training batch goes through the processes' wrapper when several train together."
+        module = self.parallel.module if training and self.parallel is not None else model
+        return module(*xb)
+
+    def plan(self, n_samples, last_of_epoch):
+        "A training batch of `n_samples` (in each process) counts towards the step: whether it ends it (`due`)."
+        self.due = self._ends_step(n_samples, last_of_epoch)
+
+    def backward(self, opt, loss):
+        "Backpropagate the batch's share of the step's loss; several processes sum their gradients at the step's last batch."
+        if self.n_acc is not None: loss = loss * (self._batch_samples / self.n_acc)  # its share of one big batch
+        if self.precision is not None: loss = self.precision.scale(loss)
+        with self._gradient_sync(opt): loss.backward()
+        self._backed = True
+
+# %% ../nbs/04_learner.ipynb #st02b
+@patch
+def gradients_ready(self:TrainingStep, opt):
+    "Whether this batch ends a step; if so the step's gradients are made whole: added up, averaged, unscaled."
+    if not self.due: return False
+    self._add_kept(opt)
+    self._average_short_step(opt)
+    if self.precision is not None: self.precision.unscale(opt)
+    return True
+
+@patch
+def apply(self:TrainingStep, opt, model):
+    "Skip the step when its gradients are not finite; else clip them and step."
+    if self.precision is not None and self.precision.skips(opt): return
+    if self.check is not None: self.check.check(opt)
+    if self.max_norm is not None: clip_gradients(model, self.max_norm, self.norm_type)
+    opt.step()
+    self.took_step = True  # until the next batch: the weights are a step ahead of the batch's start
+    for part in (self.precision, self.check):
+        if part is not None: part.stepped()
+
+@patch
+def end_batch(self:TrainingStep, opt, outcome):
+    "After a batch `outcome` 'done', 'cancelled' or 'failed': the step ends, or the batch's gradients wait for its next batch."
+    if self.precision is not None: self.precision.end_batch()
+    if outcome != 'failed' and self.due: self.kept, self.samples = None, 0  # the step is over: taken, skipped or dropped
+    elif outcome == 'done' and self._backed: self._set_aside(opt)  # checked first, when a NaN check is on
+    opt.zero_grad()  # also a batch cancelled or failed: its gradients never count (the step's earlier ones stay aside)
+    self.due = self._backed = self._kept_added = False
+
+# %% ../nbs/04_learner.ipynb #st03
+class StepSetting(Callback):
+    "A callback that sets parts of the training step (`learn.step`) for the fits it takes part in; the step runs them."
+    parts = ()  # the names of the step's attributes it sets
+
+    def apply_to(self, step: TrainingStep) -> None:
+        "Set this callback's parts of `step`."
+        raise NotImplementedError(f"{type(self).__name__} must say how it sets {self.parts} of the step")
+
+# %% ../nbs/04_learner.ipynb #c013q
+class OneProcess:
+    "How a fit's callbacks combine values with other processes that train the same model (`learn.processes`): there are none."
+    several = False
+    def sum(self, tensor): return tensor
+    def any(self, flag): return bool(flag)
+    def gather(self, value): return [value]
+    def whole_set(self, dl, *kept): return kept  # what each batch of `dl` gave: all there is
+
+ONE_PROCESS = OneProcess()
+
+def gathered(value):
+    "`value` (a state dict, nested) with each sharded tensor gathered whole (every rank calls it: it is a collective)."
+    if _sharded(value): return whole_tensor(value)  # under the hood
+    if isinstance(value, dict): return {k: gathered(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)): return type(value)(gathered(v) for v in value)
+    return value
 
 # %% ../nbs/04_learner.ipynb #stu02
 def clip_gradients(model, max_norm, norm_type=2.):
@@ -1270,8 +1276,15 @@ def _check_learner_args(dls, model, loss_func, opt_func, lr, metrics, n_inp):
     for m in metrics or []:
         if not callable(m): raise TypeError(f"each metric must be a function f(pred, target), got {m!r}")
 
+def _load_learner_additions():
+    "Import the later notebooks' modules that add methods and default callbacks to every learner; True if one was new."
+    new = [name for name in teachloop.LEARNER_ADDITIONS if name not in sys.modules]
+    for name in new: importlib.import_module(name)
+    return bool(new)
+
 @patch
 def _init_engine(self:Learner):
+    _load_learner_additions()  # the first learner made loads them (the package root names them)
     self.interrupts = InterruptGate()
     self.interrupts.defer = self.step.defer_interrupt  # several processes: a Ctrl-C waits until every one knows of it
     self._warned_alone = False  # warned that under torchrun this learner fits outside `distributed()` (below)

@@ -45,18 +45,23 @@ def _plain(value):
     if isinstance(value, tuple): return tuple(_plain(v) for v in value)
     return value
 
+def _numbers(values): return all(type(v) is int or type(v) is float for v in values)
+
 def _from_plain(value):
     if isinstance(value, dict):
         if set(value) == {'ndarray', 'bits'}: return value['bits'].numpy().view(np.dtype(value['ndarray']))
         return {k: _from_plain(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)): return tuple(_from_plain(v) for v in value)
+    if isinstance(value, (tuple, list)):  # Python's state holds 625 numbers: kept as one tuple, not walked
+        return tuple(value) if _numbers(value) else tuple(_from_plain(v) for v in value)
     return value
 
 def _same(a, b):
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor): return torch.equal(a, b)
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray): return np.array_equal(a, b)
     if isinstance(a, dict) and isinstance(b, dict): return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, tuple) and isinstance(b, tuple): return len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        if _numbers(a) and _numbers(b): return a == b  # compared at once
+        return len(a) == len(b) and all(map(_same, a, b))
     return a == b
 
 def same_state(a, b):

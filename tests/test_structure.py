@@ -241,7 +241,10 @@ def test_a_callback_without_a_declaration_is_reported_missing():
 FINGERPRINT = """
 import importlib
 importlib.import_module('teachloop.{first}')
+import torch
+from teachloop.data import DataLoaders
 from teachloop.learner import DEFAULT_CALLBACKS, Learner
+Learner(DataLoaders([], None), torch.nn.Linear(1, 1), torch.nn.functional.mse_loss)  # the first learner: its additions
 from teachloop.optim.core import FAST_STEP_PLANNERS, OPTIMIZER_CALLBACKS, callback_facts
 print(sorted(m.__name__ for m in DEFAULT_CALLBACKS))
 print([p.__module__ for p in FAST_STEP_PLANNERS])
@@ -259,6 +262,40 @@ def test_what_a_module_adds_to_lower_ones_does_not_depend_on_the_import_order():
     assert len(set(seen.values())) == 1, {first: out[:300] for first, out in seen.items()}
     root = seen['optim.core']
     assert "'Recorder'" in root and 'fit_one_cycle' in root and 'teachloop.optim.fast' in root
+
+
+LOADED = """
+import sys, importlib
+importlib.import_module('teachloop.{first}')
+print(sorted(m for m in sys.modules if m.startswith('teachloop')))
+"""
+
+
+def test_importing_the_optimizers_loads_no_callback_and_a_learner_loads_its_additions():
+    "`import teachloop.optim.core` loads the optimizer modules only; the first learner made loads what adds to it."
+    loaded = lambda first: eval(subprocess.run([sys.executable, '-c', LOADED.format(first=first)], capture_output=True,
+                                               text=True, check=True).stdout)
+    assert loaded('optim.core') == ['teachloop', 'teachloop.optim', 'teachloop.optim.core', 'teachloop.optim.fast',
+                                    'teachloop.optim.interop', 'teachloop.optim.more', 'teachloop.optim.recent']
+    with_learner = loaded('learner')
+    assert 'teachloop.callback.schedule' not in with_learner  # importing the learner makes none
+    made = subprocess.run([sys.executable, '-c', FINGERPRINT.format(first='learner') + LOADED.format(first='learner')],
+                          capture_output=True, text=True, check=True).stdout
+    assert all(f"'{name}'" in made for name in teachloop.LEARNER_ADDITIONS)
+
+
+def test_a_learner_unpickled_before_any_was_made_has_the_later_methods(tmp_path):
+    "A learner loaded with torch.load in a fresh process, no learner made there: `fit_one_cycle` is still found."
+    import torch
+    from teachloop.data import DataLoaders
+    from teachloop.learner import Learner
+    learn = Learner(DataLoaders([], None), torch.nn.Linear(1, 1), torch.nn.functional.mse_loss, default_cbs=False)
+    torch.save(learn, tmp_path / 'learn.pt')
+    script = (f"import torch, teachloop.learner, sys; learn = torch.load({str(tmp_path / 'learn.pt')!r}, weights_only=False)\n"
+              "assert 'teachloop.callback.schedule' not in sys.modules\n"
+              "print(learn.fit_one_cycle.__qualname__)")
+    out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True)
+    assert out.stdout.strip() == 'Learner.fit_one_cycle', out.stderr[-2000:]
 
 
 # ---- the callbacks' protocol: a callback takes part in the engine by what its class declares

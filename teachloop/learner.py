@@ -18,7 +18,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
-from functools import partial
+from functools import cache, partial
 from typing import Any
 
 from fastcore.basics import patch
@@ -88,6 +88,7 @@ BATCH_EVENTS = frozenset(('before_batch', 'after_pred', 'after_loss', 'before_ba
                           'after_batch'))
 
 # %% ../nbs/04_learner.ipynb #c007
+@cache  # a callback's name is read often: each class's is worked out once
 def snake_name(class_name):
     "The callback name of `class_name`: `ProgressCallback` -> 'progress', `GradientClipping` -> 'gradient_clipping'."
     name = re.sub(r'Callback$', '', class_name) or class_name
@@ -293,18 +294,24 @@ def _callback_named(learn, attr):
                          + (f"; `import {hint}` adds it" if hint else ''))
 
 # %% ../nbs/04_learner.ipynb #c018
-def _handlers(cbs, event, phase_flag):
-    "Bound methods of `cbs` that handle `event`, skipping those whose `phase_flag` is off for batch events."
-    found = []
-    for cb in cbs:
-        if event in BATCH_EVENTS and not getattr(cb, phase_flag): continue
-        if event in cb.__dict__ or callable(getattr(type(cb), event, None)): found.append(getattr(cb, event))
-    return tuple(found)
+def _handled(cb):
+    "The events `cb` has a handler for: a method of its class, or one set on the callback itself."
+    return [e for e in EVENTS if e in cb.__dict__ or callable(getattr(type(cb), e, None))]
+
+def _event_table(handled, phase_flag):
+    "For each event, the bound methods that handle it, skipping batch events of callbacks whose `phase_flag` is off."
+    table = {e: [] for e in EVENTS}
+    for cb, events in handled:
+        runs = getattr(cb, phase_flag)
+        for e in events:
+            if runs or e not in BATCH_EVENTS: table[e].append(getattr(cb, e))
+    return {e: tuple(found) for e, found in table.items()}
 
 @patch
 def _refresh_events(self:Learner):
     self.cbs.sort(key=lambda cb: cb.order)
-    self._event_tables = tuple({e: _handlers(self.cbs, e, flag) for e in EVENTS} for flag in ('run_valid', 'run_train'))
+    handled = [(cb, _handled(cb)) for cb in self.cbs]
+    self._event_tables = tuple(_event_table(handled, flag) for flag in ('run_valid', 'run_train'))
     self._events = self._event_tables[self.training]
 
 # %% ../nbs/04_learner.ipynb #c018b
@@ -317,7 +324,7 @@ def add_cbs(self:Learner, cbs: Iterable[Callback]) -> list[Callback]:
     for cb in cbs:
         object.__setattr__(cb, 'learn', self)
         self.cbs.append(cb)
-    self._refresh_events()
+    if cbs: self._refresh_events()
     return cbs
 
 @patch
@@ -799,6 +806,7 @@ def gradients_ready(self:TrainingStep, opt):
 @patch
 def apply(self:TrainingStep, opt, model):
     "Skip the step when its gradients are not finite; else clip them and step."
+    if self.parallel is not None: self.parallel.keep_in_step('step')  # sharded: before the step's collectives
     if self.precision is not None and self.precision.skips(opt): return
     if self.check is not None: self.check.check(opt)
     if self.max_norm is not None: clip_gradients(model, self.max_norm, self.norm_type)
@@ -925,6 +933,7 @@ def batch_drawn(self:TrainingStep, model):
 @patch
 def begin_batch(self:TrainingStep, learn):
     "A training batch begins its forward pass (its `before_batch` heard): a NaN check keeps what it needs of it."
+    if self.parallel is not None: self.parallel.keep_in_step('forward')  # sharded: before the forward's collectives
     if self.check is not None: self.check.begin_batch(learn)
 
 @patch
@@ -1284,7 +1293,7 @@ def _load_learner_additions():
 
 @patch
 def _init_engine(self:Learner):
-    _load_learner_additions()  # the first learner made loads them (the package root names them)
+    _load_learner_additions()  # if this module's import could not (below)
     self.interrupts = InterruptGate()
     self.interrupts.defer = self.step.defer_interrupt  # several processes: a Ctrl-C waits until every one knows of it
     self._warned_alone = False  # warned that under torchrun this learner fits outside `distributed()` (below)
@@ -1786,6 +1795,14 @@ def _warn_if_each_process_trains_alone(learn):
                   "`with learn.distributed():`, trains each of them on all the data, alone (their tables interleave). "
                   "To train them together, each on its shard of the data: `import teachloop.callback.distributed`, "
                   "then `with learn.distributed(): learn.fit(...)`")
+
+# %% ../nbs/04_learner.ipynb #ld02
+def _importing_teachloop():
+    "Whether another teachloop module is being imported, this import part of its (importing more now would be a cycle)."
+    return any(getattr(getattr(module, '__spec__', None), '_initializing', False)
+               for name, module in list(sys.modules.items()) if name.startswith('teachloop.') and name != __name__)
+
+if not _importing_teachloop(): _load_learner_additions()
 
 # %% ../nbs/04_learner.ipynb #c030
 class EventLog(Callback):

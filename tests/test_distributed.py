@@ -329,8 +329,11 @@ class CancelInOneRank(Callback):
     def __init__(self, cancel, event, at=3): self.cancel, self.event, self.at = cancel, event, at
     def _maybe(self, event):
         if self.training and event == self.event and self.train_iter == self.at and process_rank() == 1: raise self.cancel()
+    def before_batch(self): self._maybe('before_batch')
+    def after_pred(self): self._maybe('after_pred')
     def after_loss(self): self._maybe('after_loss')
     def before_backward(self): self._maybe('before_backward')
+    def after_backward(self): self._maybe('after_backward')
     def before_step(self): self._maybe('before_step')
     def after_step(self): self._maybe('after_step')
     def after_batch(self): self._maybe('after_batch')
@@ -393,10 +396,15 @@ def test_a_batch_cancelled_in_one_rank_after_its_step_parts_no_rank():
     assert all(torch.equal(weights0[k], weights1[k]) for k in weights0)
 
 
-def test_a_step_skipped_in_one_rank_alone_under_fsdp2_is_refused_at_the_next_message():
-    "Under FSDP2 nothing rides with a step's gradients: the ranks compare where they are in the next message (8 steps)."
-    (iter0, refused0, _), (iter1, refused1, _) = run_ranks(cancel_alone, CancelStepException, 'before_step', 'fsdp', **FORK)
-    assert iter0 == iter1 == 8 and refused0 == refused1 and '0 cancelled; rank 1 at training batch' in refused0
+# One for each part whose collectives a lone cancel skips: the forward, the backward, the step.
+@pytest.mark.parametrize('cancel, event', [(CancelBatchException, 'before_batch'), (CancelBackwardException, 'before_backward'),
+                                           (CancelBatchException, 'after_backward'), (CancelStepException, 'before_step')])
+def test_a_batch_backward_or_step_cancelled_in_one_rank_alone_under_fsdp2_is_refused_before_its_collectives(cancel, event):
+    "Before: a lone cancel before the backward ended in gloo's abort (SIGABRT), a lone step's in a refusal 8 steps on."
+    (iter0, refused0, _), (iter1, refused1, _) = run_ranks(cancel_alone, cancel, event, 'fsdp', **FORK)
+    # both ranks stop at the cancelled batch, before the part whose collectives rank 1 skips (its step included)
+    assert (iter0, iter1) == (3, 3) and refused0 == refused1
+    assert 'rank 0 at training batch 3 of the fit, 0 cancelled; rank 1 at training batch 3 of the fit, 1 cancelled' in refused0
 
 
 def environment_variable(name): return os.environ.get(name)

@@ -271,16 +271,19 @@ print(sorted(m for m in sys.modules if m.startswith('teachloop')))
 """
 
 
-def test_importing_the_optimizers_loads_no_callback_and_a_learner_loads_its_additions():
-    "`import teachloop.optim.core` loads the optimizer modules only; the first learner made loads what adds to it."
+def test_importing_the_optimizers_loads_no_callback_and_the_learner_loads_its_additions():
+    "`import teachloop.optim.core` loads the optimizer modules only; the learner's import, or its first learner, the rest."
     loaded = lambda first: eval(subprocess.run([sys.executable, '-c', LOADED.format(first=first)], capture_output=True,
                                                text=True, check=True).stdout)
     assert loaded('optim.core') == ['teachloop', 'teachloop.optim', 'teachloop.optim.core', 'teachloop.optim.fast',
                                     'teachloop.optim.interop', 'teachloop.optim.more', 'teachloop.optim.recent']
-    with_learner = loaded('learner')
-    assert 'teachloop.callback.schedule' not in with_learner  # importing the learner makes none
-    made = subprocess.run([sys.executable, '-c', FINGERPRINT.format(first='learner') + LOADED.format(first='learner')],
-                          capture_output=True, text=True, check=True).stdout
+    # importing the learner imports them, as its last step
+    assert set(teachloop.LEARNER_ADDITIONS) <= set(loaded('learner'))
+    # within an addition's import that would be a cycle: the first learner made imports them
+    first = loaded('callback.schedule')
+    assert 'teachloop.learner' in first and 'teachloop.callback.checkpoint' not in first
+    made = subprocess.run([sys.executable, '-c', FINGERPRINT.format(first='callback.schedule')
+                           + LOADED.format(first='callback.schedule')], capture_output=True, text=True, check=True).stdout
     assert all(f"'{name}'" in made for name in teachloop.LEARNER_ADDITIONS)
 
 
@@ -291,7 +294,9 @@ def test_a_learner_unpickled_before_any_was_made_has_the_later_methods(tmp_path)
     from teachloop.learner import Learner
     learn = Learner(DataLoaders([], None), torch.nn.Linear(1, 1), torch.nn.functional.mse_loss, default_cbs=False)
     torch.save(learn, tmp_path / 'learn.pt')
-    script = (f"import torch, teachloop.learner, sys; learn = torch.load({str(tmp_path / 'learn.pt')!r}, weights_only=False)\n"
+    # teachloop.callback.core imports the learner within its own import: the learner's import loads no addition then
+    script = (f"import torch, teachloop.callback.core, sys\n"
+              f"learn = torch.load({str(tmp_path / 'learn.pt')!r}, weights_only=False)\n"
               "assert 'teachloop.callback.schedule' not in sys.modules\n"
               "print(learn.fit_one_cycle.__qualname__)")
     out = subprocess.run([sys.executable, '-c', script], capture_output=True, text=True)
@@ -338,3 +343,27 @@ def test_the_engine_reads_other_callbacks_only_through_what_their_classes_declar
     callback_reads = {(p, a) for p, a in read if not p.startswith(('optim/', 'lessons/'))}  # there `cb` is an optimizer part
     assert all(a in declared for _, a in callback_reads), sorted((p, a) for p, a in callback_reads if a not in declared)
     for name in ('epoch_start', 'batch_boundary', 'epochs_seen'): assert name not in {a for _, a in callback_reads}
+
+
+NOTEBOOK = """
+import torch
+from fastcore.basics import patch
+from teachloop.data import DataLoaders
+from teachloop.learner import Callback, Learner, add_default_callbacks
+
+class Recorder(Callback):  # a notebook's own version of a library class, as notebook 05 defines it
+    order = 50
+add_default_callbacks(Recorder)
+
+@patch
+def fit_one_cycle(self:Learner, n_epoch): return 'this notebook'  # as notebook 06 defines it
+
+learn = Learner(DataLoaders([], None), torch.nn.Linear(1, 1), torch.nn.functional.mse_loss)
+print(type(learn.recorder).__module__, learn.fit_one_cycle(1))
+"""
+
+
+def test_a_notebooks_own_definitions_replace_the_librarys_whatever_loads_after_them():
+    "A notebook imports the learner, then defines its module's callbacks and methods again: its own are the ones run."
+    out = subprocess.run([sys.executable, '-c', NOTEBOOK], capture_output=True, text=True)
+    assert out.stdout.split() == ['__main__', 'this', 'notebook'], out.stderr[-2000:]

@@ -544,6 +544,17 @@ def stop_due(self:DistributedTrainer, requested, epoch_end=False):
 
 AGREED_CANCELS = (None, CancelTrainException, CancelEpochException)  # the flag's values, what every rank then raises
 
+# The part of a training batch whose collectives a cancel at each event skips: the forward, the backward, the step.
+_SKIPPED_PART = {'before_batch': 'forward', 'after_pred': 'backward', 'after_loss': 'backward',
+                 'before_backward': 'backward', 'after_backward': 'step', 'before_step': 'step'}
+
+@patch
+def _cancel_skips(self:DistributedTrainer, event):
+    "A batch, backward or step cancelled here: say so where the others check before the part it skips (sharded)."
+    part = _SKIPPED_PART.get(event)
+    if part == 'step' and not self.learn.step.due: return  # a batch that ends no step has no step's check
+    if part is not None: self.keep_in_step(part, cancelling=True)
+
 @patch
 def takes_cancel(self:DistributedTrainer, cancel, event):
     "A callback's cancel of the fit, the training phase or the epoch in a fit of several processes: agreed after a batch."
@@ -555,6 +566,7 @@ def takes_cancel(self:DistributedTrainer, cancel, event):
     if not (self.learn.training and event in BATCH_EVENTS): return False
     level = 2 if isinstance(cancel, CancelEpochException) else 1 if isinstance(cancel, CancelTrainException) else 0
     if level: self._cancel_here = max(self._cancel_here, level)  # with the next message
+    else: self._cancel_skips(event)  # FSDP2: the collectives it skips, checked first (`keep_in_step`)
     return bool(level)  # a batch's, backward's or step's cancel is for every rank to raise alike (see above)
 
 # %% ../../nbs/15_distributed.ipynb #u13
@@ -718,8 +730,20 @@ def module(self:DistributedTrainer):
 @patch
 def gradient_sync(self:DistributedTrainer, due):
     "The backward of a batch: its gradients summed over the processes only when it ends the step (DDP's `no_sync`)."
+    if self.strategy == 'fsdp': self.keep_in_step('backward')  # before the backward's collectives (below)
     if not due: return self._ddp.no_sync() if self.strategy == 'ddp' else gradients_kept_unsharded(self.model)
     return self._in_step() if self.strategy == 'ddp' and self.world_size > 1 else nullcontext()
+
+@patch
+def keep_in_step(self:DistributedTrainer, part, cancelling=False):
+    "FSDP2 over gloo: before the `part`'s collectives the ranks compare where they are; `RanksDisagree` in each if they parted."
+    # A rank that cancels a batch alone skips the collectives of its forward, backward or step: the others' would meet
+    # its next batch's, and gloo aborts. So every rank says where it is before each part ('forward', 'backward',
+    # 'step'), and one cancelling says it at the part it skips (`takes_cancel`). nccl's would wait for the GPU: not there.
+    if self.strategy != 'fsdp' or self.world_size == 1 or self._host_group is not None: return
+    where = self._where(torch.float64, self._cancels + cancelling)
+    dist.all_reduce(where)  # each rank's own column: their sum keeps them apart
+    self._check_in_step(where, 1)
 
 @patch
 @contextmanager
@@ -736,11 +760,12 @@ def _in_step(self:DistributedTrainer):
     if positions is not None: self._check_in_step(positions, self.world_size)
 
 @patch
-def _where(self:DistributedTrainer, dtype):
+def _where(self:DistributedTrainer, dtype, cancels=None):
     "Where this rank is: its training batches and cancels in this fit, in its column of a (2, world size) tensor, flattened."
     where = torch.zeros(2, self.world_size, dtype=dtype)  # each rank fills its own column: their sum keeps them apart
     if dtype in (torch.float32, torch.float64):  # exact counts (float32: to 2**24); else none, and nothing is compared
-        where[0, self.rank], where[1, self.rank] = self.train_iter % 2**20, self._cancels % 2**20
+        cancels = self._cancels if cancels is None else cancels
+        where[0, self.rank], where[1, self.rank] = self.train_iter % 2**20, cancels % 2**20
     return where.flatten()
 
 @patch

@@ -25,8 +25,8 @@ from ..random_state import loader_generators, rng_states, set_rng_states
 from ..optim.core import Optimizer
 
 # %% auto #0
-__all__ = ['state_to_params_devices', 'DeviceCallback', 'accuracy', 'check_class_scores', 'AccumMetric', 'accumulates',
-           'smooth_values', 'hypers_read', 'Recorder', 'smoothing_window', 'format_row', 'ProgressCallback',
+__all__ = ['state_to_params_devices', 'DeviceCallback', 'smooth_values', 'hypers_read', 'Recorder', 'smoothing_window',
+           'format_row', 'ProgressCallback', 'accuracy', 'check_class_scores', 'AccumMetric', 'accumulates',
            'MixedPrecision', 'StepUndo', 'GradientAccumulation']
 
 # %% ../../nbs/05_callbacks.ipynb #c004
@@ -52,126 +52,6 @@ class DeviceCallback(Callback):
     def before_batch(self):
         learn = self.learn
         learn.xb, learn.yb = to_device(learn.xb, self.device), to_device(learn.yb, self.device)
-
-# %% ../../nbs/05_callbacks.ipynb #c006
-def accuracy(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    "Share of rows of `pred` whose arg-max is `target`."
-    check_class_scores(pred, target, 'accuracy')
-    return (pred.argmax(dim=-1) == target).float().mean()
-
-_LABELS = ("accuracy_multi(thresh=0.5, sigmoid=True) (teachloop.metrics, as fastai's): an output over the threshold "
-           "says its label is on")
-
-def check_class_scores(pred, target, metric, instead=_LABELS):
-    "Raise `ValueError` unless `pred` has a score per class (2 or more) in its last dimension for each index in `target`."
-    if pred.ndim == target.ndim + 1 and pred.shape[-1] > 1: return
-    raise ValueError(f"{metric} takes a score per class (predictions of shape (n, classes), classes >= 2) and class "
-                     f"indices (targets of shape (n,)); got predictions of shape {tuple(pred.shape)} and targets of "
-                     f"shape {tuple(target.shape)} (an arg-max over one column is always 0). For one output per item "
-                     f"(a binary classifier) or one per label (several labels per item), use {instead}")
-
-# %% ../../nbs/05_callbacks.ipynb #am02
-class AccumMetric:
-    """A metric of the whole validation set: keep every batch's predictions and targets, compute `func` once at the end.
-
-    Args:
-        func: `func(pred, target)` -> a number, over the whole set
-        dim_argmax: the arg-max of the predictions over this dimension (scores -> classes)
-        activation: first 'softmax', 'sigmoid' or 'binarysoftmax' (the softmax's last column)
-        thresh: then `pred >= thresh` (multi-label classification)
-        to_np: give `func` numpy arrays (scikit-learn's metrics)
-        invert_arg: call `func(target, pred)`, scikit-learn's order
-        flatten: flatten both (a regression's (n, 1) output against (n,) targets)
-        name: its column in the Recorder's table (default: `func`'s name)
-        kwargs: more arguments for `func` (scikit-learn's `average='macro'`, ...)
-    """
-    def __init__(self,
-                 func: Callable,  # `func(pred, target)` -> a number, over the whole set
-                 dim_argmax: int | None = None,  # the arg-max of the predictions over this dimension (scores -> classes)
-                 activation: str | None = None,  # first 'softmax', 'sigmoid' or 'binarysoftmax' (the softmax's last column)
-                 thresh: float | None = None,  # then `pred >= thresh` (multi-label classification)
-                 to_np: bool = False,  # give `func` numpy arrays (scikit-learn's metrics)
-                 invert_arg: bool = False,  # call `func(target, pred)`, scikit-learn's order
-                 flatten: bool = True,  # flatten both (a regression's (n, 1) output against (n,) targets)
-                 name: str | None = None,  # its column in the Recorder's table (default: `func`'s name)
-                 **kwargs: Any,  # more arguments for `func` (scikit-learn's `average='macro'`, ...)
-                ) -> None:
-        _check_accum_args(func, activation)  # below
-        self.func, self.dim_argmax, self.activation, self.thresh = func, dim_argmax, activation, thresh
-        self.to_np, self.invert_arg, self.flatten, self.kwargs = to_np, invert_arg, flatten, kwargs
-        self.name = name or _metric_name(func)
-        self.reset()
-    def reset(self) -> None: self.preds, self.targs = [], []  # forget the batches kept
-    def accumulate(self, learn: Learner) -> None: self.accum_values(learn.pred, learn.y)
-
-    def accum_values(self, pred: torch.Tensor, targ: torch.Tensor) -> None:
-        "Keep a batch's predictions (prepared as the arguments say) and its targets, on their device."
-        pred, targ = self._prepared(pred.detach()), targ.detach()
-        if self.flatten: pred, targ = _flattened(pred, targ, self.name)
-        self.preds.append(pred)
-        self.targs.append(targ)
-
-    @property
-    def value(self) -> Any:
-        "`func` over every batch kept (None when there is none)."
-        if not self.preds: return None
-        pred, targ = torch.cat(self.preds), torch.cat(self.targs)
-        if self.to_np: pred, targ = pred.cpu().numpy(), targ.cpu().numpy()
-        return self.func(targ, pred, **self.kwargs) if self.invert_arg else self.func(pred, targ, **self.kwargs)
-    def __call__(self, pred: torch.Tensor, targ: torch.Tensor) -> Any:  # on one batch or a whole set, as fastai's
-        self.reset()
-        self.accum_values(pred, targ)
-        return self.value
-
-# %% ../../nbs/05_callbacks.ipynb #am04
-@patch
-def _prepared(self:AccumMetric, pred):
-    "The batch's predictions as `func` takes them: at least float32, then activated, or arg-maxed; then thresholded."
-    if pred.dtype in (torch.float16, torch.bfloat16): pred = pred.float()
-    if self.activation in ('softmax', 'binarysoftmax'):
-        pred = torch.softmax(pred, dim=-1 if self.dim_argmax is None else self.dim_argmax)
-        if self.activation == 'binarysoftmax': pred = pred[:, -1]
-    elif self.activation == 'sigmoid': pred = torch.sigmoid(pred)
-    elif self.dim_argmax is not None: pred = pred.argmax(dim=self.dim_argmax)
-    if self.thresh is not None: pred = pred >= self.thresh
-    return pred
-
-def _flattened(pred, targ, name):
-    "`pred` and `targ` as 1-d tensors, or an error when they hold different numbers of items."
-    if pred.numel() != targ.numel():
-        raise ValueError(f"AccumMetric {name!r}: the predictions (shape {tuple(pred.shape)}) and the targets (shape "
-                         f"{tuple(targ.shape)}) flatten to different lengths; for class scores give dim_argmax=-1 "
-                         "(or an activation and flatten=False, as for a multi-class AUC)")
-    return pred.reshape(-1), targ.reshape(-1)
-
-def _metric_name(metric):
-    "A metric's column name: its `name` (an AccumMetric's), its function's `__name__` (a partial's too), or its type's."
-    if isinstance(getattr(metric, 'name', None), str): return metric.name
-    return getattr(metric, '__name__', None) or getattr(getattr(metric, 'func', None), '__name__', type(metric).__name__)
-
-def accumulates(metric):
-    "Whether the Recorder gives `metric` the whole set (it has `accumulate`, as an `AccumMetric`) rather than averaging it."
-    return callable(getattr(metric, 'accumulate', None))
-
-_ACTIVATIONS = (None, 'no', 'softmax', 'sigmoid', 'binarysoftmax')  # fastai's ActivationType values, and None
-
-def _check_accum_args(func, activation):
-    if not callable(func): raise TypeError(f"AccumMetric: func must be a function f(pred, target), got {func!r}")
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"AccumMetric: activation must be one of {_ACTIVATIONS}, got {activation!r}")
-
-# %% ../../nbs/05_callbacks.ipynb #um05
-def _metric_tensor(value, metric):
-    "`value`, which `metric` gave, as a 0-d tensor: a tensor of one element, or a Python or numpy number (float64)."
-    if not torch.is_tensor(value):
-        try: value = torch.tensor(value, dtype=torch.float64)
-        except (TypeError, ValueError, RuntimeError) as e:
-            raise TypeError(f"metric {_metric_name(metric)!r} returned {value!r}: a metric must return a number (a "
-                            "tensor of one element, or a Python or numpy number)") from e
-    if value.numel() != 1:
-        raise ValueError(f"metric {_metric_name(metric)!r} returned {value.numel()} numbers (shape "
-                         f"{tuple(value.shape)}): a metric must return one number, e.g. a mean")
-    return value.reshape(())
 
 # %% ../../nbs/05_callbacks.ipynb #c010
 def smooth_values(values, beta=0.98):
@@ -432,6 +312,126 @@ class ProgressCallback(Callback):
 
 # %% ../../nbs/05_callbacks.ipynb #d018b
 add_default_callbacks(DeviceCallback, Recorder, ProgressCallback)
+
+# %% ../../nbs/05_callbacks.ipynb #c006
+def accuracy(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    "Share of rows of `pred` whose arg-max is `target`."
+    check_class_scores(pred, target, 'accuracy')
+    return (pred.argmax(dim=-1) == target).float().mean()
+
+_LABELS = ("accuracy_multi(thresh=0.5, sigmoid=True) (teachloop.metrics, as fastai's): an output over the threshold "
+           "says its label is on")
+
+def check_class_scores(pred, target, metric, instead=_LABELS):
+    "Raise `ValueError` unless `pred` has a score per class (2 or more) in its last dimension for each index in `target`."
+    if pred.ndim == target.ndim + 1 and pred.shape[-1] > 1: return
+    raise ValueError(f"{metric} takes a score per class (predictions of shape (n, classes), classes >= 2) and class "
+                     f"indices (targets of shape (n,)); got predictions of shape {tuple(pred.shape)} and targets of "
+                     f"shape {tuple(target.shape)} (an arg-max over one column is always 0). For one output per item "
+                     f"(a binary classifier) or one per label (several labels per item), use {instead}")
+
+# %% ../../nbs/05_callbacks.ipynb #am02
+class AccumMetric:
+    """A metric of the whole validation set: keep every batch's predictions and targets, compute `func` once at the end.
+
+    Args:
+        func: `func(pred, target)` -> a number, over the whole set
+        dim_argmax: the arg-max of the predictions over this dimension (scores -> classes)
+        activation: first 'softmax', 'sigmoid' or 'binarysoftmax' (the softmax's last column)
+        thresh: then `pred >= thresh` (multi-label classification)
+        to_np: give `func` numpy arrays (scikit-learn's metrics)
+        invert_arg: call `func(target, pred)`, scikit-learn's order
+        flatten: flatten both (a regression's (n, 1) output against (n,) targets)
+        name: its column in the Recorder's table (default: `func`'s name)
+        kwargs: more arguments for `func` (scikit-learn's `average='macro'`, ...)
+    """
+    def __init__(self,
+                 func: Callable,  # `func(pred, target)` -> a number, over the whole set
+                 dim_argmax: int | None = None,  # the arg-max of the predictions over this dimension (scores -> classes)
+                 activation: str | None = None,  # first 'softmax', 'sigmoid' or 'binarysoftmax' (the softmax's last column)
+                 thresh: float | None = None,  # then `pred >= thresh` (multi-label classification)
+                 to_np: bool = False,  # give `func` numpy arrays (scikit-learn's metrics)
+                 invert_arg: bool = False,  # call `func(target, pred)`, scikit-learn's order
+                 flatten: bool = True,  # flatten both (a regression's (n, 1) output against (n,) targets)
+                 name: str | None = None,  # its column in the Recorder's table (default: `func`'s name)
+                 **kwargs: Any,  # more arguments for `func` (scikit-learn's `average='macro'`, ...)
+                ) -> None:
+        _check_accum_args(func, activation)  # below
+        self.func, self.dim_argmax, self.activation, self.thresh = func, dim_argmax, activation, thresh
+        self.to_np, self.invert_arg, self.flatten, self.kwargs = to_np, invert_arg, flatten, kwargs
+        self.name = name or _metric_name(func)
+        self.reset()
+    def reset(self) -> None: self.preds, self.targs = [], []  # forget the batches kept
+    def accumulate(self, learn: Learner) -> None: self.accum_values(learn.pred, learn.y)
+
+    def accum_values(self, pred: torch.Tensor, targ: torch.Tensor) -> None:
+        "Keep a batch's predictions (prepared as the arguments say) and its targets, on their device."
+        pred, targ = self._prepared(pred.detach()), targ.detach()
+        if self.flatten: pred, targ = _flattened(pred, targ, self.name)
+        self.preds.append(pred)
+        self.targs.append(targ)
+
+    @property
+    def value(self) -> Any:
+        "`func` over every batch kept (None when there is none)."
+        if not self.preds: return None
+        pred, targ = torch.cat(self.preds), torch.cat(self.targs)
+        if self.to_np: pred, targ = pred.cpu().numpy(), targ.cpu().numpy()
+        return self.func(targ, pred, **self.kwargs) if self.invert_arg else self.func(pred, targ, **self.kwargs)
+    def __call__(self, pred: torch.Tensor, targ: torch.Tensor) -> Any:  # on one batch or a whole set, as fastai's
+        self.reset()
+        self.accum_values(pred, targ)
+        return self.value
+
+# %% ../../nbs/05_callbacks.ipynb #am04
+@patch
+def _prepared(self:AccumMetric, pred):
+    "The batch's predictions as `func` takes them: at least float32, then activated, or arg-maxed; then thresholded."
+    if pred.dtype in (torch.float16, torch.bfloat16): pred = pred.float()
+    if self.activation in ('softmax', 'binarysoftmax'):
+        pred = torch.softmax(pred, dim=-1 if self.dim_argmax is None else self.dim_argmax)
+        if self.activation == 'binarysoftmax': pred = pred[:, -1]
+    elif self.activation == 'sigmoid': pred = torch.sigmoid(pred)
+    elif self.dim_argmax is not None: pred = pred.argmax(dim=self.dim_argmax)
+    if self.thresh is not None: pred = pred >= self.thresh
+    return pred
+
+def _flattened(pred, targ, name):
+    "`pred` and `targ` as 1-d tensors, or an error when they hold different numbers of items."
+    if pred.numel() != targ.numel():
+        raise ValueError(f"AccumMetric {name!r}: the predictions (shape {tuple(pred.shape)}) and the targets (shape "
+                         f"{tuple(targ.shape)}) flatten to different lengths; for class scores give dim_argmax=-1 "
+                         "(or an activation and flatten=False, as for a multi-class AUC)")
+    return pred.reshape(-1), targ.reshape(-1)
+
+def _metric_name(metric):
+    "A metric's column name: its `name` (an AccumMetric's), its function's `__name__` (a partial's too), or its type's."
+    if isinstance(getattr(metric, 'name', None), str): return metric.name
+    return getattr(metric, '__name__', None) or getattr(getattr(metric, 'func', None), '__name__', type(metric).__name__)
+
+def accumulates(metric):
+    "Whether the Recorder gives `metric` the whole set (it has `accumulate`, as an `AccumMetric`) rather than averaging it."
+    return callable(getattr(metric, 'accumulate', None))
+
+_ACTIVATIONS = (None, 'no', 'softmax', 'sigmoid', 'binarysoftmax')  # fastai's ActivationType values, and None
+
+def _check_accum_args(func, activation):
+    if not callable(func): raise TypeError(f"AccumMetric: func must be a function f(pred, target), got {func!r}")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"AccumMetric: activation must be one of {_ACTIVATIONS}, got {activation!r}")
+
+# %% ../../nbs/05_callbacks.ipynb #um05
+def _metric_tensor(value, metric):
+    "`value`, which `metric` gave, as a 0-d tensor: a tensor of one element, or a Python or numpy number (float64)."
+    if not torch.is_tensor(value):
+        try: value = torch.tensor(value, dtype=torch.float64)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"metric {_metric_name(metric)!r} returned {value!r}: a metric must return a number (a "
+                            "tensor of one element, or a Python or numpy number)") from e
+    if value.numel() != 1:
+        raise ValueError(f"metric {_metric_name(metric)!r} returned {value.numel()} numbers (shape "
+                         f"{tuple(value.shape)}): a metric must return one number, e.g. a mean")
+    return value.reshape(())
 
 # %% ../../nbs/05_callbacks.ipynb #c026
 class MixedPrecision(StepSetting):

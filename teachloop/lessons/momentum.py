@@ -23,7 +23,7 @@ from ..figures import FigureWidget, figure_png, float_slider
 from ..optim.core import SGD, Adam, RMSProp
 
 # %% auto #0
-__all__ = ['SURFACES', 'OPTIMIZER_COLORS', 'OTHER_COLORS', 'DECAY_CURVATURES', 'check_beta', 'ewma', 'plot_ewma', 'debiased_ewma',
+__all__ = ['SURFACES', 'OPTIMIZER_COLORS', 'OTHER_COLORS', 'DECAY_CURVATURES', 'ewma', 'check_beta', 'debiased_ewma', 'plot_ewma',
            'effective_window', 'ewma_weights', 'EWMAWidget', 'Surface', 'quadratic_surface', 'rosenbrock_surface',
            'saddle_surface', 'trajectory', 'plot_surface', 'plot_paths', 'heavy_ball_roots', 'heavy_ball_rate',
            'convergence_rate', 'critical_beta', 'stable_lr', 'optimal_momentum', 'lr_range', 'rate_map',
@@ -31,17 +31,6 @@ __all__ = ['SURFACES', 'OPTIMIZER_COLORS', 'OTHER_COLORS', 'DECAY_CURVATURES', '
            'record_gradient', 'GradientStreamWidget']
 
 # %% ../../nbs/02_momentum.ipynb #c005
-def check_beta(beta, name='beta'):
-    "Raise a `ValueError` naming `name` unless `beta` is a real number in [0, 1)."
-    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0 <= beta < 1:
-        raise ValueError(f"{name} must be a number in [0, 1) (0 keeps only the newest value, close to 1 averages "
-                         f"over a long past), got {beta!r}")
-
-def _as_stream(values):
-    values = np.asarray(values, dtype=np.float64)
-    if values.ndim != 1: raise ValueError(f"expected a 1-D stream of values, got an array of shape {values.shape}")
-    return values
-
 def ewma(values,  # a 1-D stream of numbers
          beta,  # how much of the past average is kept at each step, in [0, 1)
         ):
@@ -58,6 +47,32 @@ def ewma(values,  # a 1-D stream of numbers
         average = beta * average + (1 - beta) * value
         averages[t] = average
     return averages
+
+# %% ../../nbs/02_momentum.ipynb #c005c
+def check_beta(beta, name='beta'):
+    "Raise a `ValueError` naming `name` unless `beta` is a real number in [0, 1)."
+    if isinstance(beta, bool) or not isinstance(beta, numbers.Real) or not 0 <= beta < 1:
+        raise ValueError(f"{name} must be a number in [0, 1) (0 keeps only the newest value, close to 1 averages "
+                         f"over a long past), got {beta!r}")
+
+def _as_stream(values):
+    values = np.asarray(values, dtype=np.float64)
+    if values.ndim != 1: raise ValueError(f"expected a 1-D stream of values, got an array of shape {values.shape}")
+    return values
+
+# %% ../../nbs/02_momentum.ipynb #c014
+def debiased_ewma(values,  # a 1-D stream of numbers
+                  beta,  # the averaging factor, in [0, 1)
+                 ):
+    """`ewma` divided by 1 - beta**t, the sum of its weights after t values; the average itself is not changed.
+
+    Args:
+        values: a 1-D stream of numbers
+        beta: the averaging factor, in [0, 1)
+    """
+    averages = ewma(values, beta)
+    steps = np.arange(1, len(averages) + 1)
+    return averages / (1 - beta ** steps)
 
 # %% ../../nbs/02_momentum.ipynb #c009
 def plot_ewma(ax,  # matplotlib axes to draw on
@@ -78,20 +93,6 @@ def plot_ewma(ax,  # matplotlib axes to draw on
     if debiased: lines['debiased'] = ax.plot(x, debiased_ewma(y, beta), '--', color='C2', label='debiased')[0]
     ax.set_title(f"beta = {beta}")
     return lines
-
-# %% ../../nbs/02_momentum.ipynb #c014
-def debiased_ewma(values,  # a 1-D stream of numbers
-                  beta,  # the averaging factor, in [0, 1)
-                 ):
-    """`ewma` divided by 1 - beta**t, the sum of its weights after t values; the average itself is not changed.
-
-    Args:
-        values: a 1-D stream of numbers
-        beta: the averaging factor, in [0, 1)
-    """
-    averages = ewma(values, beta)
-    steps = np.arange(1, len(averages) + 1)
-    return averages / (1 - beta ** steps)
 
 # %% ../../nbs/02_momentum.ipynb #c020
 def effective_window(beta):
@@ -200,7 +201,8 @@ class Surface:
         self.curvatures = torch.linalg.eigvalsh(hessian).numpy()
 
     def __repr__(self):
-        return f"Surface({self.name!r}, start={self.start.tolist()}, curvatures at the minimum={self.curvatures.round(3).tolist()})"
+        return (f"Surface({self.name!r}, start={self.start.tolist()}, "
+                f"curvatures at the minimum={self.curvatures.round(3).tolist()})")
 
 # %% ../../nbs/02_momentum.ipynb #c033
 def quadratic_surface(curvatures=(1., 25.), start=(-4., 1.5)):
@@ -337,7 +339,8 @@ def rate_map(curvatures, n_lr=160, n_beta=100, beta_max=0.99):
 
 def _map_lines(curvatures, betas):
     lrs = np.geomspace(*lr_range(curvatures), 300)
-    lines = {f'critical, lambda = {c:.3g}': (lrs, critical_beta(lrs * c)) for c in (np.min(curvatures), np.max(curvatures))}
+    lines = {f'critical, lambda = {c:.3g}': (lrs, critical_beta(lrs * c))
+             for c in (np.min(curvatures), np.max(curvatures))}
     lines['stability bound'] = (stable_lr(betas, curvatures), betas)
     lr_best, beta_best, _ = optimal_momentum(curvatures)
     lines['optimum'] = ([lr_best], [beta_best])
@@ -349,9 +352,11 @@ def plot_rate_map(ax, curvatures):
     rates, lrs, betas = rate_map(curvatures)
     cmap = matplotlib.colormaps['viridis'].with_extremes(over='0.88')
     # colours from the best rate possible (darkest) to 1, where the useful differences are
-    artists = {'map': ax.imshow(rates, origin='lower', aspect='auto', cmap=cmap, vmin=optimal_momentum(curvatures)[2], vmax=1,
+    artists = {'map': ax.imshow(rates, origin='lower', aspect='auto', cmap=cmap,
+                                vmin=optimal_momentum(curvatures)[2], vmax=1,
                                 extent=(np.log10(lrs[0]), np.log10(lrs[-1]), betas[0], betas[-1]))}
-    styles = {'stability bound': dict(color='k', ls='--', lw=1.2), 'optimum': dict(color='w', mec='k', marker='X', ls='', ms=9)}
+    styles = {'stability bound': dict(color='k', ls='--', lw=1.2),
+              'optimum': dict(color='w', mec='k', marker='X', ls='', ms=9)}
     critical_colors = iter(['C1', 'C3'])
     for name, (x, y) in _map_lines(curvatures, betas).items():
         style = styles[name] if name in styles else dict(color=next(critical_colors), lw=0.8)
@@ -465,7 +470,7 @@ def direction_errors(lr, beta, curvatures, steps):
 
 # %% ../../nbs/02_momentum.ipynb #d006
 class DirectionDecayWidget(FigureWidget):
-    """The rate map of a quadratic with the sliders' (lr, beta), each eigendirection's error over the steps, and what is left.
+    """A quadratic's rate map with the sliders' (lr, beta), each eigendirection's error over the steps, and what is left.
 
     Args:
         curvatures: the quadratic's curvatures, one eigendirection each; None: `DECAY_CURVATURES`
@@ -486,7 +491,8 @@ class DirectionDecayWidget(FigureWidget):
         plot_rate_map(self.ax_map, curvatures)
         self.ax_map.legend(fontsize=8, loc='lower left')
         self.marker = self.ax_map.plot([], [], '*', color='r', ms=13, mec='w')[0]
-        colors = [matplotlib.colormaps['plasma'](i / max(len(curvatures) - 1, 1) * 0.85) for i in range(len(curvatures))]
+        colors = [matplotlib.colormaps['plasma'](i / max(len(curvatures) - 1, 1) * 0.85)
+                  for i in range(len(curvatures))]
         self.lines = [self.ax_errors.plot([], [], color=c, lw=1.3, label=f'lambda = {k:.3g}')[0]
                       for c, k in zip(colors, curvatures)]
         self.ax_errors.set(yscale='log', ylim=(1e-12, 1e3), xlabel='step', ylabel='|error| of the direction')
@@ -557,14 +563,17 @@ class GradientStreamWidget(FigureWidget):
         self.ax_grad.plot(steps, self.grads, '.', color='C0', ms=3, alpha=0.5, label='gradient')
         self.ax_sqr.plot(steps, self.grads ** 2, '.', color='C0', ms=3, alpha=0.5, label='squared gradient')
         self.lines = {name: ax.plot(steps, np.zeros_like(self.grads), style, color=color, label=name)[0]
-                      for name, ax, style, color in [('momentum', self.ax_grad, '-', 'C3'), ('momentum, debiased', self.ax_grad, '--', 'C2'),
-                                                     ('squared', self.ax_sqr, '-', 'C3'), ('squared, debiased', self.ax_sqr, '--', 'C2')]}
+                      for name, ax, style, color in [('momentum', self.ax_grad, '-', 'C3'),
+                                                     ('momentum, debiased', self.ax_grad, '--', 'C2'),
+                                                     ('squared', self.ax_sqr, '-', 'C3'),
+                                                     ('squared, debiased', self.ax_sqr, '--', 'C2')]}
         squares = self.grads[self.grads != 0] ** 2
         low, high = (np.percentile(squares, 5), squares.max() * 2) if len(squares) else (1e-12, 1.)
         self.ax_sqr.set(yscale='log', ylim=(low, high), xlabel='step')
         self.ax_grad.set_ylim(np.percentile(self.grads, [1, 99]) * 1.2)
         for ax in (self.ax_grad, self.ax_sqr): ax.legend(fontsize=8, ncol=3, loc='upper right')
-        controls = dict(beta=float_slider('beta', beta, 0., 0.999, 0.001), beta2=float_slider('beta2', beta2, 0., 0.999, 0.001))
+        controls = dict(beta=float_slider('beta', beta, 0., 0.999, 0.001),
+                        beta2=float_slider('beta2', beta2, 0., 0.999, 0.001))
         super().__init__(fig, controls, [*self.lines.values(), self.ax_grad.title])
 
     def update(self, beta, beta2):

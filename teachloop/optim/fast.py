@@ -14,6 +14,7 @@ from fastcore.basics import patch
 
 import torch
 
+# callback_facts: what notebook 01 declared of a callback; _sharded: a parameter in shards (notebook 15)
 from .core import (_sharded, add_fast_step_planner, adam_step, average_grad, average_sqr_grad, callback_facts,
                                  debias, declare_callback, l2_reg, momentum_step, rms_prop_step, sgd_step, step_stat,
                                  weight_decay)
@@ -187,7 +188,7 @@ class FastStep:
     def __init__(self, steps, names, switches=(), fused_state=(), changes_grad=True):
         self.steps, self.names, self.switches = steps, names, frozenset(switches)
         self.fused_state = tuple(fused_state)  # state its fused kernels walk with the parameters; None: no fused kernel
-        self.changes_grad = changes_grad  # whether it writes into the gradients (the optimizer then hands it copies)
+        self.changes_grad = changes_grad  # whether a step writes into `p.grad` (the optimizer then gives it copies)
 
     def __call__(self, params, states, hypers):
         group = TensorGroup(params, states)

@@ -19,6 +19,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from functools import cache, partial
+from types import FunctionType
 from typing import Any
 
 from fastcore.basics import patch
@@ -324,7 +325,7 @@ def add_cbs(self:Learner, cbs: Iterable[Callback]) -> list[Callback]:
     for cb in cbs:
         object.__setattr__(cb, 'learn', self)
         self.cbs.append(cb)
-    if cbs: self._refresh_events()
+    self._refresh_events()
     return cbs
 
 @patch
@@ -820,7 +821,9 @@ def end_batch(self:TrainingStep, opt, outcome):
     "After a batch `outcome` 'done', 'cancelled' or 'failed': the step ends, or the batch's gradients wait for its next batch."
     if self.precision is not None: self.precision.end_batch()
     if outcome != 'failed' and self.due: self.kept, self.samples = None, 0  # the step is over: taken, skipped or dropped
-    elif outcome == 'done' and self._backed: self._set_aside(opt)  # checked first, when a NaN check is on
+    elif outcome == 'done' and self._backed:  # checked first, when a NaN check is on
+        if self.check is not None and self.parallel is not None: self.parallel.keep_in_step('step')  # sharded
+        self._set_aside(opt)
     opt.zero_grad()  # also a batch cancelled or failed: its gradients never count (the step's earlier ones stay aside)
     self.due = self._backed = self._kept_added = False
 
@@ -883,25 +886,25 @@ def _gradient_sync(self:TrainingStep, opt):
     with self.parallel.gradient_sync(self.due): yield
 
 @patch
-@torch.no_grad()
 def _add_kept(self:TrainingStep, opt):
     "Add the set-aside gradients to this batch's, once; they stay set aside until the step is over."
-    if self._kept_added or self.kept is None: return
+    if self._kept_added or self.kept is None: return  # (before `no_grad`, which costs microseconds: every step asks)
     self._kept_added = True
-    for p, grad in zip(_params(opt), self.kept):
-        if grad is None: continue
-        grad = grad.to(p.device)  # on the CPU when a resumed fit read them from its checkpoint
-        if p.grad is None: p.grad = grad.clone()
-        else: p.grad.add_(grad)
+    with torch.no_grad():
+        for p, grad in zip(_params(opt), self.kept):
+            if grad is None: continue
+            grad = grad.to(p.device)  # on the CPU when a resumed fit read them from its checkpoint
+            if p.grad is None: p.grad = grad.clone()
+            else: p.grad.add_(grad)
 
 @patch
-@torch.no_grad()
 def _average_short_step(self:TrainingStep, opt):
     "A step of fewer samples than `n_acc` (the epoch's last) gets the mean gradient of the samples it has."
     seen = self.samples + self._batch_samples
     if self.n_acc is None or seen == self.n_acc: return
-    for p in _params(opt):
-        if p.grad is not None: p.grad.mul_(self.n_acc / seen)
+    with torch.no_grad():
+        for p in _params(opt):
+            if p.grad is not None: p.grad.mul_(self.n_acc / seen)
 
 @patch
 def _set_aside(self:TrainingStep, opt):
@@ -1288,8 +1291,18 @@ def _check_learner_args(dls, model, loss_func, opt_func, lr, metrics, n_inp):
 def _load_learner_additions():
     "Import the later notebooks' modules that add methods and default callbacks to every learner; True if one was new."
     new = [name for name in teachloop.LEARNER_ADDITIONS if name not in sys.modules]
+    if not new: return False
+    # what a notebook or a user's script defined itself (its own `fit_one_cycle`, its own Recorder) stays theirs
+    methods = {k: v for k, v in vars(Learner).items() if isinstance(v, (FunctionType, property)) and _not_ours(v)}
+    defaults = [make for make in DEFAULT_CALLBACKS if _not_ours(make)]
     for name in new: importlib.import_module(name)
-    return bool(new)
+    for k, v in methods.items(): setattr(Learner, k, v)
+    if defaults: add_default_callbacks(*defaults)
+    return True
+
+def _not_ours(obj):
+    "Whether `obj` (a function, a property, a class) was defined outside teachloop: in a notebook or a user's module."
+    return not getattr(obj.fget if isinstance(obj, property) else obj, '__module__', '').startswith('teachloop')
 
 @patch
 def _init_engine(self:Learner):

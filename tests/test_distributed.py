@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
-from teachloop.callback.core import accuracy
+from teachloop.callback.core import GradientAccumulation, accuracy
 from teachloop.callback.checkpoint import Checkpoint
 from teachloop.callback.tracker import SaveModel
 from teachloop.core import process_rank
@@ -405,6 +405,25 @@ def test_a_batch_backward_or_step_cancelled_in_one_rank_alone_under_fsdp2_is_ref
     # both ranks stop at the cancelled batch, before the part whose collectives rank 1 skips (its step included)
     assert (iter0, iter1) == (3, 3) and refused0 == refused1
     assert 'rank 0 at training batch 3 of the fit, 0 cancelled; rank 1 at training batch 3 of the fit, 1 cancelled' in refused0
+
+
+
+def cancel_alone_accumulating(folder, event, at):
+    "A lone CancelBatchException at `event` of rank 1's batch `at`, under FSDP2 with gradient accumulation and NaNCapture."
+    learn = digits_learner_fp32(CancelInOneRank(CancelBatchException, event, at), GradientAccumulation(128),
+                                NaNCapture(folder))
+    try:
+        with learn.distributed(strategy='fsdp'): learn.fit(1)
+    except RanksDisagree as e: return learn.train_iter, str(e)
+    return learn.train_iter, None
+
+
+@pytest.mark.parametrize('event, at', [('after_backward', 4), ('after_backward', 5)])  # a batch that ends no step; one that does
+def test_a_lone_cancel_under_fsdp2_with_accumulation_and_nan_capture_is_refused_at_its_batch(tmp_path, event, at):
+    "Two batches of 32 on each of 2 ranks make a step of 128: batch 4 is set aside (NaNCapture checks it: a collective)."
+    (iter0, refused0), (iter1, refused1) = run_ranks(cancel_alone_accumulating, str(tmp_path), event, at, **FORK)
+    assert (iter0, iter1) == (at, at) and refused0 == refused1
+    assert f'rank 1 at training batch {at} of the fit, 1 cancelled' in refused0
 
 
 def environment_variable(name): return os.environ.get(name)
@@ -1049,6 +1068,27 @@ def mixed_precision_fit(strategy, dtype):
     with learn.distributed(strategy=strategy): learn.fit(3)
     return [gathered(p.detach()).clone() for p in learn.model.parameters()], [row[:4] for row in learn.recorder.values]
 
+
+
+class InfInRankZero(Callback):
+    "An inf in rank 0's own gradients at training batch 2 (under FSDP2 in its shard only), after the backward."
+    def after_backward(self):
+        if self.training and self.train_iter == 2 and process_rank() == 0:
+            grad = next(p.grad for p in self.model.parameters() if p.grad is not None)
+            (grad.to_local() if hasattr(grad, 'to_local') else grad).view(-1)[0] = float('inf')
+
+
+def lone_inf_fit():
+    from teachloop.callback.core import MixedPrecision
+    learn = digits_learner_fp32(MixedPrecision(torch.float16), InfInRankZero())
+    with learn.distributed(strategy='fsdp'): learn.fit(1)
+    return learn.mixed_precision.skipped, learn.mixed_precision.scaler.get_scale()
+
+
+def test_an_inf_in_one_ranks_shard_skips_the_float16_step_in_every_rank():
+    "Each rank unscales its own shards: DTensor's check for non-finite values agrees over the ranks, so every rank skips."
+    (skipped0, scale0), (skipped1, scale1) = run_ranks(lone_inf_fit, **FORK)
+    assert skipped0 == skipped1 == 1 and scale0 == scale1
 
 @pytest.mark.slow
 @pytest.mark.parametrize('dtype', [torch.bfloat16, torch.float16])

@@ -348,6 +348,7 @@ def test_the_engine_reads_other_callbacks_only_through_what_their_classes_declar
 NOTEBOOK = """
 import torch
 from fastcore.basics import patch
+import {first}
 from teachloop.data import DataLoaders
 from teachloop.learner import Callback, Learner, add_default_callbacks
 
@@ -363,7 +364,10 @@ print(type(learn.recorder).__module__, learn.fit_one_cycle(1))
 """
 
 
-def test_a_notebooks_own_definitions_replace_the_librarys_whatever_loads_after_them():
+# first: the learner, which imports the additions at once; or a module whose import imports it (the additions then
+# load with the first learner made, after the notebook's own definitions, as notebook 06 imports)
+@pytest.mark.parametrize('first', ['teachloop.data', 'teachloop.callback.core', 'teachloop.diagnostics.effective_lr'])
+def test_a_notebooks_own_definitions_replace_the_librarys_whatever_loads_after_them(first):
     "A notebook imports the learner, then defines its module's callbacks and methods again: its own are the ones run."
-    out = subprocess.run([sys.executable, '-c', NOTEBOOK], capture_output=True, text=True)
+    out = subprocess.run([sys.executable, '-c', NOTEBOOK.format(first=first)], capture_output=True, text=True)
     assert out.stdout.split() == ['__main__', 'this', 'notebook'], out.stderr[-2000:]

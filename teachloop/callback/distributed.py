@@ -34,9 +34,9 @@ from ..core import check_count, process_count, process_rank, several_processes
 from ..data import DataLoaders, digits_cnn, load_digits_tensors, tensor_dls
 from .faults import TerminateOnNaN
 from contextlib import nullcontext
-from ..learner import (BATCH_EVENTS, ONE_PROCESS, Callback, CancelEpochException, CancelFitException,
-                               CancelTrainException, Learner, StepSetting, _map_tensors, gathered, opt_shards_of,
-                               shards_of)
+from ..learner import (BATCH_EVENTS, ONE_PROCESS, Callback, CancelBackwardException, CancelBatchException,
+                               CancelEpochException, CancelFitException, CancelStepException, CancelTrainException,
+                               Learner, StepSetting, _map_tensors, gathered, opt_shards_of, shards_of)
 from .nan_capture import NaNCapture
 from ..optim.core import SGD, _sharded
 from ..random_state import set_seed
@@ -546,14 +546,23 @@ AGREED_CANCELS = (None, CancelTrainException, CancelEpochException)  # the flag'
 
 # The part of a training batch whose collectives a cancel at each event skips: the forward, the backward, the step.
 _SKIPPED_PART = {'before_batch': 'forward', 'after_pred': 'backward', 'after_loss': 'backward',
-                 'before_backward': 'backward', 'after_backward': 'step', 'before_step': 'step'}
+                 'before_backward': 'backward', 'after_backward': 'step', 'after_cancel_backward': 'step',
+                 'before_step': 'step'}
+
+def _cancels_at(cancel, event):
+    "Whether `cancel` cuts its part short when raised at `event` (elsewhere it cancels nothing: it ends the fit)."
+    if isinstance(cancel, CancelBackwardException): return event == 'before_backward'
+    if isinstance(cancel, CancelStepException): return event == 'before_step'
+    return isinstance(cancel, CancelBatchException)
 
 @patch
-def _cancel_skips(self:DistributedTrainer, event):
+def _cancel_skips(self:DistributedTrainer, cancel, event):
     "A batch, backward or step cancelled here: say so where the others check before the part it skips (sharded)."
-    part = _SKIPPED_PART.get(event)
-    if part == 'step' and not self.learn.step.due: return  # a batch that ends no step has no step's check
-    if part is not None: self.keep_in_step(part, cancelling=True)
+    part, step = _SKIPPED_PART.get(event), self.learn.step
+    if part is None or not _cancels_at(cancel, event): return
+    # the others check before the step, or, a NaN check on, before setting aside a batch that ends no step
+    if part == 'step' and not (step.due or (event == 'after_backward' and step.check is not None)): return
+    self.keep_in_step(part, cancelling=True)
 
 @patch
 def takes_cancel(self:DistributedTrainer, cancel, event):
@@ -566,7 +575,7 @@ def takes_cancel(self:DistributedTrainer, cancel, event):
     if not (self.learn.training and event in BATCH_EVENTS): return False
     level = 2 if isinstance(cancel, CancelEpochException) else 1 if isinstance(cancel, CancelTrainException) else 0
     if level: self._cancel_here = max(self._cancel_here, level)  # with the next message
-    else: self._cancel_skips(event)  # FSDP2: the collectives it skips, checked first (`keep_in_step`)
+    else: self._cancel_skips(cancel, event)  # FSDP2: the collectives it skips, checked first (`keep_in_step`)
     return bool(level)  # a batch's, backward's or step's cancel is for every rank to raise alike (see above)
 
 # %% ../../nbs/15_distributed.ipynb #u13

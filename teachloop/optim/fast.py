@@ -14,7 +14,8 @@ from fastcore.basics import patch
 
 import torch
 
-# callback_facts: what notebook 01 declared of a callback; _sharded: a parameter in shards (notebook 15)
+# callback_facts: what notebook 01 declared of a callback; _sharded: whether a parameter is split in shards, for a
+# later notebook (15): used once, under the hood, and nothing here needs it
 from .core import (_sharded, add_fast_step_planner, adam_step, average_grad, average_sqr_grad, callback_facts,
                                  debias, declare_callback, l2_reg, momentum_step, rms_prop_step, sgd_step, step_stat,
                                  weight_decay)
@@ -252,7 +253,7 @@ def applies_to(self:FastStep, params, hypers=(), states=()):
     # The fast versions take switches from `partial` and `do_wd` from the state; a switch set on the group
     # overrides both for the callbacks, so such a group runs the callbacks.
     if self.switches.intersection(hypers): return False
-    if any(map(_sharded, params)): return False  # shards (FSDP2): the callbacks step them, notebook 15
+    if any(map(_sharded, params)): return False  # shards (FSDP2, a later notebook, 15): the callbacks step them
     first = params[0]
     if first.device.type not in ('cpu', 'cuda') or not first.is_floating_point() or first.is_complex(): return False
     device, dtype = first.device, first.dtype

@@ -25,7 +25,7 @@ from ..random_state import loader_generators, rng_states, set_rng_states
 from ..optim.core import Optimizer
 
 # %% auto #0
-__all__ = ['state_to_params_devices', 'DeviceCallback', 'smooth_values', 'hypers_read', 'Recorder', 'smoothing_window',
+__all__ = ['state_to_params_devices', 'DeviceCallback', 'smooth_values', 'Recorder', 'hypers_read', 'smoothing_window',
            'format_row', 'ProgressCallback', 'accuracy', 'check_class_scores', 'AccumMetric', 'accumulates',
            'MixedPrecision', 'StepUndo', 'GradientAccumulation']
 
@@ -61,46 +61,6 @@ def smooth_values(values, beta=0.98):
         avg = beta * avg + (1 - beta) * v
         out.append(avg / (1 - beta ** t))
     return out
-
-# %% ../../nbs/05_callbacks.ipynb #c013
-def _stack(values):
-    "The 0-d tensors `values` as one tensor, on the device of the last (a fit resumed mid-epoch gets its first ones from the file, on the CPU)."
-    device = values[-1].device
-    return torch.stack([v.to(device) for v in values])
-
-def _weighted_mean(values, weights):
-    "Mean of the tensors `values` weighted by `weights`, as a tensor on the device of the last (nan when empty)."
-    if not values: return torch.tensor(float('nan'))
-    stacked = _stack(values)
-    stacked = stacked.to(torch.promote_types(stacked.dtype, torch.float32))  # a float64 fit's losses stay float64
-    w = torch.tensor(weights, dtype=stacked.dtype, device=stacked.device)
-    return (stacked * w).sum() / w.sum()
-
-def _hyper_values(opt):
-    "The numeric hyper-parameters of the optimizer's last group."
-    group = opt.hypers[-1] if hasattr(opt, 'hypers') else opt.param_groups[-1]
-    return {k: v for k, v in group.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-def hypers_read(opt):
-    "The hyper-parameters `opt`'s step reads: those its callbacks name as arguments (a torch optimizer: all of them)."
-    cbs = getattr(opt, 'cbs', None)
-    if cbs is None:  # a torch optimizer: all of them, but a momentum that is off (SGD's or RMSprop's momentum=0)
-        groups = getattr(getattr(opt, 'opt', opt), 'param_groups', [])
-        off = {'mom'} if groups and all(g.get('momentum', 1) == 0 for g in groups) else set()
-        return set(opt.hypers[0]) - off
-    names = set()
-    for cb in cbs:
-        while isinstance(cb, partial): cb = cb.func
-        names.update(p.name for p in inspect.signature(cb).parameters.values() if p.kind is not p.VAR_KEYWORD)
-    return names & set(opt.hypers[0])
-
-def _hyper_reader(opt):
-    "A function returning the last group's hyper-parameters that `opt` reads, by teachloop's names, as cheaply as it allows."
-    if isinstance(opt, Optimizer):  # its groups use teachloop's names already: read the dict itself
-        group, read = opt.param_groups[-1], hypers_read(opt)
-        names = [k for k in _hyper_values(opt) if k in read]
-        return lambda: {k: group[k] for k in names}
-    return lambda: _hyper_values(opt)
 
 # %% ../../nbs/05_callbacks.ipynb #c014
 class Recorder(Callback):
@@ -141,6 +101,46 @@ class Recorder(Callback):
     def smooth_losses(self) -> list[float]:
         "Debiased moving average of the batch losses."
         return smooth_values(self.losses, self.beta)
+
+# %% ../../nbs/05_callbacks.ipynb #c013
+def _stack(values):
+    "The 0-d tensors `values` as one tensor, on the device of the last (a fit resumed mid-epoch gets its first ones from the file, on the CPU)."
+    device = values[-1].device
+    return torch.stack([v.to(device) for v in values])
+
+def _weighted_mean(values, weights):
+    "Mean of the tensors `values` weighted by `weights`, as a tensor on the device of the last (nan when empty)."
+    if not values: return torch.tensor(float('nan'))
+    stacked = _stack(values)
+    stacked = stacked.to(torch.promote_types(stacked.dtype, torch.float32))  # a float64 fit's losses stay float64
+    w = torch.tensor(weights, dtype=stacked.dtype, device=stacked.device)
+    return (stacked * w).sum() / w.sum()
+
+def _hyper_values(opt):
+    "The numeric hyper-parameters of the optimizer's last group."
+    group = opt.hypers[-1] if hasattr(opt, 'hypers') else opt.param_groups[-1]
+    return {k: v for k, v in group.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+def hypers_read(opt):
+    "The hyper-parameters `opt`'s step reads: those its callbacks name as arguments (a torch optimizer: all of them)."
+    cbs = getattr(opt, 'cbs', None)
+    if cbs is None:  # a torch optimizer: all of them, but a momentum that is off (SGD's or RMSprop's momentum=0)
+        groups = getattr(getattr(opt, 'opt', opt), 'param_groups', [])
+        off = {'mom'} if groups and all(g.get('momentum', 1) == 0 for g in groups) else set()
+        return set(opt.hypers[0]) - off
+    names = set()
+    for cb in cbs:
+        while isinstance(cb, partial): cb = cb.func
+        names.update(p.name for p in inspect.signature(cb).parameters.values() if p.kind is not p.VAR_KEYWORD)
+    return names & set(opt.hypers[0])
+
+def _hyper_reader(opt):
+    "A function returning the last group's hyper-parameters that `opt` reads, by teachloop's names, as cheaply as it allows."
+    if isinstance(opt, Optimizer):  # its groups use teachloop's names already: read the dict itself
+        group, read = opt.param_groups[-1], hypers_read(opt)
+        names = [k for k in _hyper_values(opt) if k in read]
+        return lambda: {k: group[k] for k in names}
+    return lambda: _hyper_values(opt)
 
 # %% ../../nbs/05_callbacks.ipynb #r02
 @patch

@@ -1,5 +1,6 @@
 """How the library is laid out: imports only point down the layers of the course, each public name is one thing."""
 import ast
+import re
 import subprocess
 import sys
 import importlib
@@ -371,3 +372,11 @@ def test_a_notebooks_own_definitions_replace_the_librarys_whatever_loads_after_t
     "A notebook imports the learner, then defines its module's callbacks and methods again: its own are the ones run."
     out = subprocess.run([sys.executable, '-c', NOTEBOOK.format(first=first)], capture_output=True, text=True)
     assert out.stdout.split() == ['__main__', 'this', 'notebook'], out.stderr[-2000:]
+
+
+def test_every_module_that_adds_to_the_learner_is_named_in_the_package_root():
+    "A module that patches `Learner` or adds a default callback must be in LEARNER_ADDITIONS: else what it adds would depend on the imports."
+    adds = re.compile(r'self:\s*Learner\b|^add_default_callbacks\(', re.MULTILINE)
+    found = {'teachloop.' + '.'.join(path.relative_to(PACKAGE).with_suffix('').parts) for path in PACKAGE.rglob('*.py')
+             if path.stem not in ('learner', 'all', '_modidx') and adds.search(path.read_text())}
+    assert found == set(teachloop.LEARNER_ADDITIONS)

@@ -190,10 +190,20 @@ def method(name, value, options=(), link=None):
     return _directive('method', f'{name}{signature(func, method=kind is not staticmethod)}', body, options)
 
 
+def lesson_of(stem, stems):
+    "The lesson whose code a notebook `NNz_...` holds (the course notebook sorted just after it); None for the others."
+    if not re.match(r'\d+z_', stem): return None
+    return next((s for s in sorted(stems) if s > stem and re.match(r'\d', s)), None)
+
+
 def document(module, name, where, titles):
     "One public name as a MyST directive of Sphinx's Python domain."
     options = [f':module: {module.__name__}']
     link = f"Explained in {_notebook_link(module, titles, name, where)}."
+    lesson = lesson_of(source_notebook(module), titles)
+    if lesson:
+        code = _notebook_link(module, titles, name, where)
+        link = f"Explained in {{doc}}`{titles[lesson]} <{lesson}>`; its code in {code}."
     if '.' in name:  # a method added to another module's class
         cls, attr = name.split('.')
         return method(name, vars(getattr(module, cls))[attr], options, link)

@@ -92,6 +92,7 @@ def process_cell(cell):
     directives, code = split_directives(cell.source)
     cell.source = code
     cell.outputs, cell.execution_count = [], None
+    cell.metadata.pop('jupyter', None)  # Jupyter's own display of the cell (a solution closed): the site uses the tags
     tags = list(dict.fromkeys(cell.metadata.get('tags', []) + tags_for(directives)))
     if tags: cell.metadata['tags'] = tags
     if 'hide-cell' in tags: cell.metadata.setdefault('mystnb', {}).update(SOLUTION_PROMPTS)

@@ -195,3 +195,11 @@ def test_numbers_measured_by_a_cell_are_inserted_by_it(stem):
     typed = sorted(set(stated_numbers(nb)) - STATED.get(stem, set()))
     assert not typed, (f"{stem}: numbers typed into prose {typed}: build the sentence in the cell that computes them "
                        "(`Markdown(f'...')`), or, for a setting or a version, add them to STATED with the reason")
+
+
+def test_a_solution_is_closed_in_jupyter_until_opened():
+    "After Run All, an exercise's solution cell shows neither its code nor its output until the student opens it."
+    open_ = [f"{stem}:{c.id}" for stem in COURSE for c in notebook(stem).cells if is_solution(c) and
+             not (c.metadata.get('jupyter', {}).get('source_hidden') and c.metadata['jupyter'].get('outputs_hidden'))]
+    assert not open_, (f"solution cells shown open in Jupyter: {open_[:10]}; give them the metadata "
+                       "{'jupyter': {'source_hidden': True, 'outputs_hidden': True}}")

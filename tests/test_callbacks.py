@@ -616,3 +616,22 @@ def test_two_metrics_of_one_name_are_refused_before_the_fit():
     micro.name = 'f1_micro'
     learn.fit(1)
     assert learn.recorder.metric_names[3:5] == ['f1_score', 'f1_micro']
+
+
+def test_the_hyper_parameters_read_follow_a_callback_changed_in_place():
+    "A callback object whose `__call__` is redefined, or a function whose code is replaced (autoreload), is read again."
+    from teachloop.optim.core import Optimizer
+
+    class Step:
+        def __call__(self, p, lr, **kwargs): p.data.add_(p.grad, alpha=-lr)
+
+    def step_fn(p, lr, **kwargs): p.data.add_(p.grad, alpha=-lr)
+    def with_mom(p, lr, mom, **kwargs): p.data.add_(p.grad, alpha=-lr)
+
+    param = nn.Parameter(torch.ones(2))
+    step = Step()
+    make = lambda cb: Optimizer([param], [cb], lr=0.1, mom=0.9, fast=False)
+    assert hypers_read(make(step)) == {'lr'} and hypers_read(make(step_fn)) == {'lr'}
+    Step.__call__ = lambda self, p, lr, mom, **kwargs: p.data.add_(p.grad, alpha=-lr)  # what fastcore's @patch does
+    step_fn.__code__ = with_mom.__code__  # what %autoreload does to a function it reloads
+    assert hypers_read(make(step)) == {'lr', 'mom'} and hypers_read(make(step_fn)) == {'lr', 'mom'}

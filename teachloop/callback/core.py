@@ -9,7 +9,6 @@ from __future__ import annotations
 import inspect
 import math
 import time
-import weakref
 from collections import defaultdict
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -137,16 +136,21 @@ def hypers_read(opt):
         names.update(_argument_names(cb))
     return names & set(opt.hypers[0])
 
-_ARGUMENT_NAMES = weakref.WeakKeyDictionary()  # read at every epoch's start: `inspect.signature` takes tens of microseconds
+_ARGUMENT_NAMES = {}  # (code, bound) -> names: read at every epoch's start, `inspect.signature` takes tens of microseconds
 
 def _argument_names(func):
-    "The names of `func`'s arguments, but a `**kwargs` (kept for each function that can be weakly referenced)."
-    try: return _ARGUMENT_NAMES[func]
-    except (KeyError, TypeError): pass
-    names = frozenset(p.name for p in inspect.signature(func).parameters.values() if p.kind is not p.VAR_KEYWORD)
-    try: _ARGUMENT_NAMES[func] = names
-    except TypeError: pass  # a callable object that cannot be weakly referenced or hashed: read each time
-    return names
+    "The names of `func`'s arguments, but a `**kwargs` (kept per code object: a function redefined or reloaded is read again)."
+    code = getattr(getattr(func, '__func__', func), '__code__', None)
+    if code is None or hasattr(func, '__signature__') or hasattr(func, '__wrapped__'):  # a callable object, a wrapper
+        return _read_argument_names(func)
+    key = (code, hasattr(func, '__func__'))  # a bound method's names leave out `self`
+    if key not in _ARGUMENT_NAMES:
+        if len(_ARGUMENT_NAMES) > 4096: _ARGUMENT_NAMES.clear()  # functions made in a loop: keep it bounded
+        _ARGUMENT_NAMES[key] = _read_argument_names(func)
+    return _ARGUMENT_NAMES[key]
+
+def _read_argument_names(func):
+    return frozenset(p.name for p in inspect.signature(func).parameters.values() if p.kind is not p.VAR_KEYWORD)
 
 def _hyper_reader(opt):
     "A function returning the last group's hyper-parameters that `opt` reads, by teachloop's names, as cheaply as it allows."

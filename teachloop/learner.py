@@ -585,11 +585,29 @@ class GatherPreds(Callback):
 
 @patch
 def _evaluate(self:Learner, dl):
-    "The validation phase over `dl` (default: the validation set), outside a fit."
+    "The validation phase over `dl` (default: the validation set); asked for by a callback in a fit, the fit goes on."
     if dl is None and self.dls.valid is None: raise ValueError("there is no validation set: pass `dl`")
+    dl = dl if dl is not None else self.dls.valid
+    if self.fit_state.fitting: return self._evaluate_in_fit(dl)
     self.step.configure(self.cbs)  # mixed precision evaluates in it too
-    try: self._do_validate(dl if dl is not None else self.dls.valid)
+    try: self._do_validate(dl)
     finally: self._cleanup()
+
+_BATCH_STATE = ('dl', 'xb', 'yb', 'pred', 'loss', 'loss_grad')
+
+@patch
+def _evaluate_in_fit(self:Learner, dl):
+    "A validation phase inside a fit (a callback's `learn.validate()`): then the fit's phase, batch and modes come back."
+    state, training = self.fit_state, self.model.training
+    saved = ({k: getattr(state, k) for k in ('training', 'phase', 'n_iter', 'iter')},
+             {k: self.__dict__.get(k) for k in _BATCH_STATE})
+    try: self._do_validate(dl)
+    finally:
+        for k, v in saved[0].items(): setattr(state, k, v)
+        self.__dict__.update(saved[1])
+        self._events = self._event_tables[state.training]
+        self.model.train(training)
+        if training: set_optimizer_mode(self.opt, True)  # the validation put a two-point optimizer at its average
 
 @patch
 def validate(self:Learner, dl: Iterable | None = None) -> list[float]:

@@ -214,3 +214,37 @@ def test_a_callback_that_keeps_a_count_without_a_state_is_named_when_a_fit_resum
     with warnings.catch_warnings():  # without it, nothing to say
         warnings.simplefilter('error')
         learner(Checkpoint(tmp_path / 'third')).fit(2, resume=tmp_path / 'interrupted.pt')
+
+
+def test_a_validation_asked_for_by_a_callback_inside_a_fit_leaves_the_fit_as_it_was():
+    "`learn.validate()` from a callback (after a training batch, after an epoch) runs its phase; the fit goes on the same."
+    from teachloop.data import regression_2d
+
+    x, y = regression_2d(n=24)
+    x, y = x.double(), y.double()
+    loaders = DataLoaders([(x[:8], y[:8]), (x[8:16], y[8:16])], [(x[16:], y[16:])])
+
+    class ValidateInside(Callback):
+        def before_fit(self): self.results, self.seen = [], []
+        def before_batch(self):
+            state = self.learn.fit_state
+            self.seen.append((state.fitting, state.phase, state.training, self.model.training, self.iter))
+        def after_batch(self):
+            if self.training and self.iter == 0: self.results.append(self.learn.validate())
+        def after_epoch(self):
+            if self.epoch == 0: self.results.append(self.learn.validate())
+
+    def fit(*cbs):
+        torch.manual_seed(0)
+        learn = Learner(loaders, nn.Linear(2, 1).double(), F.mse_loss, opt_func=SGD, lr=0.1, cbs=list(cbs))
+        learn.progress.show_bar = learn.progress.print_rows = False
+        learn.fit(3)
+        return learn
+
+    plain, watched = fit(), fit(inside := ValidateInside())
+    assert all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), watched.model.parameters()))
+    assert plain.recorder.losses == watched.recorder.losses
+    assert plain.recorder.values[-1][1:3] == watched.recorder.values[-1][1:3]
+    assert len(inside.results) == 4 and watched.train_iter == 6 and not watched.fit_state.fitting
+    training = [seen for seen in inside.seen if seen[2]]  # every training batch, in the fit's own phase and mode
+    assert len(training) == 6 and all(seen[:2] == (True, 'train') and seen[3] for seen in training)

@@ -209,7 +209,9 @@ def home_page(nb, contents_cell):
 def write_site_names(names, names_on, where):
     """The API's names for docs/conf.py, which links them in the pages' code, and the search's scorer, which ranks an
     exact name's definition first: its API entry, then the notebook that explains it."""
-    pages = {f'{module}.{name}': stem for (module, name), (stem, _) in where.items()}
+    stems = [path.stem for path in NBS.glob('*.ipynb')]
+    # a name whose code is in an under-the-hood notebook (`05z_...`) is explained by the lesson after it
+    pages = {f'{module}.{name}': api.lesson_of(stem, stems) or stem for (module, name), (stem, _) in where.items()}
     # a method of a class is explained with its class
     explained_in = lambda id: pages.get(id) or pages.get(id.rpartition('.')[0])
     write_if_changed(conf.API_NAMES, json.dumps({'names': names, 'names_on': names_on}, indent=1, sort_keys=True))

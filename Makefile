@@ -26,20 +26,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/teachloop-demo
 
-## All tests, in two runs of pytest on both cores:
-## 1. every test (browser tests included) and every notebook top to bottom in a Jupyter kernel, as the site runs it
-##    (the site keeps what they showed);
-## 2. the float32 tests again on the CPU's baseline kernels (float32 rounding differs with the vector width: users'
-##    CPUs are not this one; a float64 comparison, within 1e-10 or so, and two fits equal bit for bit on one machine
-##    do not depend on it), beside the site built from those notebooks (`make docs`) and checked in Chromium.
-## The second pass collects only the test files that mark such tests (`mark.float32`, `mark.site`): collecting every
-## file costs each worker about 20 s.
-SECOND_PASS_FILES = $(shell grep -l 'mark\.float32\|mark\.site\|SITE_TEST' tests/*.py)
+## All tests, in one run of pytest on both cores: every test (browser tests included); every notebook top to bottom in a
+## Jupyter kernel, as the site runs it; the site built from those notebooks (`make docs`) and checked in Chromium; and
+## the float32 tests a second time on the CPU's baseline kernels (float32 rounding differs with the vector width: users'
+## CPUs are not this one; a float64 comparison, within 1e-10 or so, and two fits equal bit for bit on one machine do
+## not depend on it), in a pytest process of their own that one test starts (tests/test_baseline_kernels.py).
 test: $(STAMP) browser-deps
-	@status=0; \
-	$(PYTEST) -m "not site" --durations=15 || status=1; \
-	ATEN_CPU_CAPABILITY=default $(PYTEST) -m "site or (float32 and not slow)" -p no:cacheprovider $(SECOND_PASS_FILES) || status=1; \
-	exit $$status
+	$(PYTEST) --durations=15
 
 ## `make test` with two CPU-bound processes running beside it all along (a busy laptop, a shared CI runner); they are
 ## stopped when it ends, whatever the result (and end by themselves if their shell is killed).

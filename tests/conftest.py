@@ -26,13 +26,14 @@ def marked(item, name): return item.get_closest_marker(name) is not None
 
 
 def start_order(item, notebooks_run=True):
-    """Where `item` goes in the run: the long ones first (every notebook, the browser tests, the slow tests), so that
-    the short tests fill both workers at the end; the site's check last, once the notebooks it shows have run, or, in
-    a run without them (`make test`'s second), first: it is the longest, and the other tests fill the other worker."""
-    if marked(item, 'site'): return 4 if notebooks_run else -1
-    for order, name in enumerate(('notebook', 'browser', 'slow')):
+    """Where `item` goes in the run: the long ones first, so that the short tests fill both workers at the end. Every
+    notebook; the float32 tests again on the baseline kernels (a pytest of its own, test_baseline_kernels.py); the
+    site's check once the notebooks it shows have been handed out (in a run without them, first: it is the longest);
+    the browser tests; the slow tests; the rest."""
+    if marked(item, 'site'): return 2 if notebooks_run else -1
+    for order, name in ((0, 'notebook'), (1, 'rerun'), (3, 'browser'), (4, 'slow')):
         if marked(item, name): return order
-    return 3
+    return 5
 
 
 @pytest.hookimpl(wrapper=True)

@@ -1,5 +1,4 @@
 "The project as a whole: generated code in sync, README in sync, the package importable and installable."
-import ast
 import filecmp
 import os
 import re
@@ -115,24 +114,3 @@ def test_every_teachloop_module_that_a_notebook_or_script_imports_exists():
             named.add((module, path.name))
     missing = sorted((path, module) for module, path in named if importlib.util.find_spec(module) is None)
     assert len(named) > 100 and missing == []
-
-
-SECOND_PASS_MARKS = ('float32', 'site')
-
-
-def test_the_second_pass_of_make_test_collects_every_file_whose_tests_it_runs():
-    """`make test`'s second pass collects the test files that the Makefile's grep finds by their marks. A file whose
-    tests carry those marks only through a name imported from another test file (an alias such as test_site's
-    SITE_TEST) has none of the grep's words, and its tests would leave that pass silently."""
-    line = next(l for l in (ROOT / 'Makefile').read_text().splitlines() if l.startswith('SECOND_PASS_FILES'))
-    pattern = re.compile(re.search(r"grep -l '([^']*)'", line)[1].replace('\\|', '|'))
-    files = sorted((ROOT / 'tests').glob('*.py'))
-    aliases = {path.stem: {target.id for node in ast.parse(path.read_text()).body if isinstance(node, ast.Assign)
-                           and any(f'mark.{mark}' in ast.unparse(node.value) for mark in SECOND_PASS_MARKS)
-                           for target in node.targets if isinstance(target, ast.Name)} for path in files}
-    missed = [path.name for path in files
-              if any(alias.name in aliases.get(node.module or '', ()) for node in ast.walk(ast.parse(path.read_text()))
-                     if isinstance(node, ast.ImportFrom) for alias in node.names)
-              and not pattern.search(path.read_text())]
-    assert not missed, f"{missed}: their marks come from another file; add the name to SECOND_PASS_FILES's pattern"
-    assert aliases['test_site'] >= {'SITE_TEST'} and all(pattern.search(f'pytest.mark.{m}') for m in SECOND_PASS_MARKS)

@@ -285,7 +285,6 @@ def with_weights(model, weights):
     return model
 
 
-@pytest.mark.float32
 @pytest.mark.numeric
 @pytest.mark.parametrize('clipped', [False, True], ids=['plain', 'clipped'])
 def test_a_fit_with_accumulation_equals_the_fit_with_the_big_batches(clipped):
@@ -437,7 +436,6 @@ def regression_learner(metrics, valid_sizes=(32, 7, 13), seed=0):
     return learn, torch.cat([b[0] for b in valid]), torch.cat([b[1] for b in valid])
 
 
-@pytest.mark.float32
 @pytest.mark.numeric
 def test_accum_metric_is_the_rmse_of_the_whole_set_and_the_batch_average_is_not():
     learn, x_valid, y_valid = regression_learner([rmse, AccumMetric(rmse, name='rmse_whole')])
@@ -451,7 +449,6 @@ def test_accum_metric_is_the_rmse_of_the_whole_set_and_the_batch_average_is_not(
     assert learn.metrics[1].preds == []  # the batches are let go once the value is read
 
 
-@pytest.mark.float32
 @pytest.mark.numeric
 def test_accum_metric_with_scikit_learns_auc_and_f1_equals_them_on_the_whole_set():
     from sklearn.metrics import f1_score, roc_auc_score
@@ -508,7 +505,6 @@ def test_a_metric_may_return_a_python_or_numpy_number(value):
     assert learn.validate()[1] == float(value.item() if hasattr(value, 'item') else value)  # exact in float32 too
 
 
-@pytest.mark.float32
 @pytest.mark.numeric
 def test_a_metric_returning_numbers_per_batch_is_averaged_by_batch_size():
     learn, _, _ = regression_learner([lambda pred, target: float(len(target))])
@@ -552,7 +548,6 @@ def validate_in_a_rank(n_valid, with_shard_only):
     except ValueError as e: return str(e)
 
 
-@pytest.mark.float32
 @pytest.mark.ranks
 @pytest.mark.numeric
 def test_under_two_processes_accum_metric_gathers_the_whole_set():

@@ -717,7 +717,6 @@ def global_batch_norm_on_half(x, weight, upstream):
     return out.detach(), half.grad, layer.weight.grad, layer.bias.grad, layer.running_mean, layer.running_var
 
 
-@pytest.mark.float32
 @pytest.mark.numeric
 def test_global_batch_norm_on_two_halves_is_batch_norm_on_the_whole_batch():
     "Outputs, input gradients and running statistics; the ranks' weight gradients add up to the whole batch's."

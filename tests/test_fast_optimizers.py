@@ -55,7 +55,6 @@ def train(opt_func, fast, batches, no_wd_on_biases=False, switch_at=None):
 def max_diff(a, b): return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
 
 
-@pytest.mark.float32
 @pytest.mark.parametrize('name', OPTIMIZERS)
 def test_fast_step_matches_callbacks(name, batches):
     reference, reference_opt = train(OPTIMIZERS[name], False, batches)
@@ -67,7 +66,6 @@ def test_fast_step_matches_callbacks(name, batches):
         assert reference_opt.state[p].keys() == fast_opt.state[q].keys()
 
 
-@pytest.mark.float32
 @pytest.mark.parametrize('name', ['adamw', 'lamb', 'lars', 'radam', 'lion', 'sgd_momentum_l2'])
 def test_parameters_without_weight_decay(name, batches):
     reference, _ = train(OPTIMIZERS[name], False, batches[:30], no_wd_on_biases=True)
@@ -76,7 +74,6 @@ def test_parameters_without_weight_decay(name, batches):
     assert max_diff(reference, fast) <= TOL and max_diff(fast, decayed_everywhere) > 1e-6
 
 
-@pytest.mark.float32
 @pytest.mark.parametrize('name', ['adamw', 'lamb', 'rmsprop'])
 def test_switching_path_mid_training(name, batches):
     reference, _ = train(OPTIMIZERS[name], False, batches[:40])
@@ -173,7 +170,6 @@ def run(model, opt, n=6, before_step=None):
                                             (partial(SGD, lr=0.01, mom=0.9, wd=0.1), {'do_wd': False}),
                                             (partial(SGD, lr=0.01, mom=0.9), {'dampening': True}),
                                             (partial(LARS, lr=0.1, wd=0.01), {'clip': True})])
-@pytest.mark.float32
 def test_group_level_switches_are_honoured_by_the_fast_path(factory, switch):
     "A switch set on a group (not through partial or the state) changes what the callbacks do; the fast path too."
     models = [small_double_model() for _ in range(3)]
@@ -228,7 +224,6 @@ def adam_without_decay(params, fast, **hypers):
     return Optimizer(params, cbs, fast=fast, **hypers)
 
 
-@pytest.mark.float32
 @pytest.mark.parametrize('mom, sqr_mom', [(0.8, 0.9), (0.3, 0.4)])  # the debiasing's 1 - beta, also below 0.5
 def test_adam_without_weight_decay_takes_the_multi_tensor_step_and_equals_torch(batches, mom, sqr_mom):
     "Debiased by each parameter's own step count: the first layer gets no gradient for its first 5 steps."

@@ -49,7 +49,6 @@ def by_hand(model, xb, yb):
     return outputs, weights
 
 
-@pytest.mark.float32
 def test_statistics_equal_those_taken_by_hand():
     data = batches(1)
     model = net()
@@ -159,7 +158,6 @@ def each_call_by_hand(model, xb, yb):
     return outputs
 
 
-@pytest.mark.float32
 def test_a_module_called_twice_in_a_forward_gives_each_call_with_its_own_gradient():
     torch.manual_seed(0)
     model, data = TwiceReLU().double(), batches(1)
@@ -179,7 +177,6 @@ def test_a_module_called_twice_in_a_forward_gives_each_call_with_its_own_gradien
     assert set(stats.history('grad_std')) == {'relu#1', 'relu#2'}
 
 
-@pytest.mark.float32
 def test_a_resnet_block_shows_both_of_its_relus():
     models = pytest.importorskip('torchvision.models.resnet')
     torch.manual_seed(0)

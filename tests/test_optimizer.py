@@ -52,7 +52,6 @@ PAIRS = {
 }
 
 
-@pytest.mark.float32
 @pytest.mark.parametrize('name', PAIRS)
 def test_parity_with_torch(name, batches):
     ours, theirs = PAIRS[name]
@@ -144,7 +143,6 @@ def steps(model, opt, n=5, scheduler=None):
 def weights_diff(a, b): return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
 
 
-@pytest.mark.float32
 def test_group_dicts_with_generators_train_like_torch():
     ours, theirs = double_model(), double_model()
     opt = SGD([{'params': ours[0].parameters(), 'lr': 0.1}, {'params': ours[2].parameters()}], lr=0.05, mom=0.9)
@@ -184,7 +182,6 @@ def test_clear_state_keeps_per_parameter_settings():
     (partial(Adam, sqr_mom=0.999, eps=1e-8, wd=0.01), partial(torch.optim.AdamW, eps=1e-8, weight_decay=0.01)),
     (partial(SGD, mom=0.9), partial(torch.optim.SGD, momentum=0.9)),
 ])
-@pytest.mark.float32
 @pytest.mark.parametrize('fast', [None, False])
 def test_torchs_momentum_cycling_schedulers_drive_our_optimizers(ours, theirs, fast):
     a, b = double_model(), double_model()
@@ -220,7 +217,6 @@ def test_an_optimizer_saved_whole_or_copied_still_follows_torchs_momentum_name(m
         assert opt.hypers[0]['mom'] == 0.7 and opt.param_groups[0][name] == ((0.7, 0.99) if name == 'betas' else 0.7)
 
 
-@pytest.mark.float32
 def test_rmsprop_at_its_defaults_is_torchs_rmsprop_at_its_defaults():
     "eps 1e-8 and a square average of 0.99 when none is given: small gradients, where eps weighs, in float64."
     ours, theirs = (torch.nn.Parameter(torch.linspace(-1, 1, 6, dtype=torch.float64)) for _ in range(2))

@@ -116,7 +116,6 @@ def trained_pair(ours, theirs, batches, seed=0):
     return model, m1, m2
 
 
-@pytest.mark.float32
 @pytest.mark.parametrize('name', PAIRS)
 def test_matches_independent_implementation(name, batches):
     start, ours, theirs = trained_pair(*PAIRS[name], batches)

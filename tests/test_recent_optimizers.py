@@ -237,7 +237,6 @@ def digits_cnn_double():
     return digits_cnn().double()  # 4-D filters (factored over their last two dimensions), biases, a head
 
 
-@pytest.mark.float32
 @pytest.mark.numeric
 @pytest.mark.parametrize('hypers', [{}, {'lr': 3e-3, 'wd': 0.1, 'd': 2.}, {'eps1': 1e-30, 'eps2': 1e-2, 'beta2_decay': -0.5}])
 @pytest.mark.parametrize('fast', [False, True])
@@ -302,7 +301,6 @@ class PaperAdEMAMix:
 @pytest.mark.numeric
 @pytest.mark.parametrize('hypers', [dict(lr=1e-3), dict(lr=1e-3, slow_mom=0.99, slow_mix=8., slow_mix_warmup=20,
                                                              slow_mom_warmup=30, wd=0.1)])
-@pytest.mark.float32
 @pytest.mark.parametrize('fast', [False, True])
 def test_ademamix_matches_the_papers_algorithm(hypers, fast, batches):
     start = digits_cnn_double()
@@ -332,7 +330,6 @@ def test_ademamix_schedules_and_bad_hypers():
 @pytest.mark.parametrize('kind, hypers', [
     ('adamw', dict(lr=2e-3)), ('adamw', dict(lr=2e-3, wd=0.05, warmup_steps=10, r=1., weight_lr_power=1., mom=0.8)),
     ('sgd', dict(lr=0.05)), ('sgd', dict(lr=0.05, wd=0.01, warmup_steps=10, r=0.5, mom=0.95))])
-@pytest.mark.float32
 @pytest.mark.parametrize('fast', [False, True])
 def test_schedule_free_matches_the_package(kind, hypers, fast, batches):
     schedulefree = pytest.importorskip('schedulefree')  # a test-only dependency (pyproject's `dev` extra)
@@ -467,7 +464,6 @@ class PaperSOAP:
         for p in self.params: p.grad = None
 
 
-@pytest.mark.float32
 @pytest.mark.numeric
 @pytest.mark.parametrize('fast', [False, True])
 def test_soap_matches_the_papers_algorithm(fast):
@@ -539,7 +535,6 @@ def test_nadam_and_adamax_match_torch(name, ours, theirs, fast, batches, float64
 @pytest.mark.parametrize('make', [partial(AdEMAMix, lr=1e-3, slow_mix_warmup=10, slow_mom_warmup=20, wd=0.01),
                                   partial(ScheduleFreeAdamW, lr=1e-3, wd=0.01, warmup_steps=5),
                                   partial(Adamax, lr=1e-3, wd=0.01)])
-@pytest.mark.float32
 @pytest.mark.parametrize('per_parameter_on_cpu', [True, False])
 def test_fast_steps_match_the_callbacks(make, per_parameter_on_cpu, batches, monkeypatch):
     "The CPU's per-parameter step and, with it taken out, the multi-tensor versions a GPU runs, against the callbacks."

@@ -43,7 +43,6 @@ def top_by_size(matrix):
     return max(eigenvalues[0].item(), eigenvalues[-1].item(), key=abs)
 
 
-@pytest.mark.float32
 @pytest.mark.parametrize('seed', [0, 1, 2])
 def test_top_eigenvalue_equals_the_exact_hessians(seed):
     model, x, y = small_problem(seed)
@@ -56,7 +55,6 @@ def test_top_eigenvalue_equals_the_exact_hessians(seed):
     assert torch.allclose(H @ flat, estimate * flat, atol=1e-7)  # and the vector is its eigenvector
 
 
-@pytest.mark.float32
 def test_preconditioned_eigenvalue_is_that_of_the_scaled_hessian():
     model, x, y = small_problem(3)
     params = list(model.parameters())
@@ -109,7 +107,6 @@ def test_estimates_leave_the_fit_unchanged():
     assert watched.recorder.losses == alone.recorder.losses
 
 
-@pytest.mark.float32
 def test_estimates_at_ticks_on_the_fixed_batch_match_the_exact_hessian():
     model, x, y = small_problem(4)
     sharp = Sharpness(every=4, power_iters=300, batch=(x, y))
@@ -126,7 +123,6 @@ class HyperLog(Callback):
     def after_step(self): self.hypers.append((self.opt.param_groups[0]['lr'], self.opt.param_groups[0]['mom']))
 
 
-@pytest.mark.float32
 def test_the_line_follows_the_schedule_and_adams_dampened_momentum():
     model, x, y = small_problem(5)
     sharp, log = Sharpness(every=3, power_iters=5, preconditioned=True), HyperLog()
@@ -144,7 +140,6 @@ def test_estimates_kept_are_bounded():
     assert len(sharp.sharpness) == len(sharp.thresholds) == len(sharp.steps)
 
 
-@pytest.mark.float32
 def test_adaptive_optimizers_are_preconditioned_unless_told():
     model, x, y = small_problem(7)
     picks = {}
@@ -155,7 +150,6 @@ def test_adaptive_optimizers_are_preconditioned_unless_told():
     assert picks == {'sgd': False, 'adam': True, 'adam raw': False}
 
 
-@pytest.mark.float32
 @pytest.mark.parametrize('preconditioned', [False, True])
 def test_an_unused_parameter_does_not_stop_an_estimate(preconditioned):
     model, x, y = small_problem(10)

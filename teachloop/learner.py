@@ -599,8 +599,9 @@ _BATCH_STATE = ('dl', 'xb', 'yb', 'pred', 'loss', 'loss_grad')
 def _evaluate_in_fit(self:Learner, dl):
     "A validation phase inside a fit (a callback's `learn.validate()`): then the fit's phase, batch and modes come back."
     state, training = self.fit_state, self.model.training
-    saved = ({k: getattr(state, k) for k in ('training', 'phase', 'n_iter', 'iter')},
+    saved = ({k: getattr(state, k) for k in ('training', 'phase', 'n_iter', 'iter', 'nested')},
              {k: self.__dict__.get(k) for k in _BATCH_STATE})
+    state.nested = True  # the callbacks that keep the fit's rows know it is not the fit's own validation
     try: self._do_validate(dl)
     finally:
         for k, v in saved[0].items(): setattr(state, k, v)
@@ -747,6 +748,7 @@ class FitState:
     def __init__(self):
         self.n_epoch = self.epoch = self.start_epoch = self.epochs_done = self.n_iter = self.iter = self.train_iter = 0
         self.pct_train, self.training, self.phase, self.fitting = 0., False, None, False
+        self.nested = False  # a validation that a callback asked for runs inside the fit (not the fit's own)
         self.batches_done, self.stop_requested = 0, False  # training batches done in this epoch; a stop asked for
         self.interrupted_by, self._seeded = None, None  # what ended the last fit; a loader rebuilt for it (below)
         self._reset_notes()  # what a resumed fit needs: under the hood, at the end

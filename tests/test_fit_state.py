@@ -248,3 +248,37 @@ def test_a_validation_asked_for_by_a_callback_inside_a_fit_leaves_the_fit_as_it_
     assert len(inside.results) == 4 and watched.train_iter == 6 and not watched.fit_state.fitting
     training = [seen for seen in inside.seen if seen[2]]  # every training batch, in the fit's own phase and mode
     assert len(training) == 6 and all(seen[:2] == (True, 'train') and seen[3] for seen in training)
+
+
+def test_a_validation_of_another_loader_inside_a_fit_leaves_the_fits_own_rows_alone():
+    """A callback that validates another loader inside the fit, in the middle of the fit's own validation or after an
+    epoch before the Recorder writes its row, gets that loader's values; the fit's rows stay its own validation's, with
+    an averaged and an accumulating (whole-set) metric."""
+    from teachloop.callback.core import AccumMetric
+    from teachloop.data import regression_2d
+
+    x, y = regression_2d(n=24)
+    x, y = x.double(), y.double()
+    loaders = DataLoaders([(x[:8], y[:8]), (x[8:16], y[8:16])], [(x[16:20], y[16:20]), (x[20:], y[20:])])
+    def mean_error(pred, target): return (pred - target).abs().mean()
+    def worst_error(pred, target): return (pred - target).abs().max()
+
+    class ValidateElsewhere(Callback):
+        def before_fit(self): self.results = []
+        def after_batch(self):  # the first batch of the fit's own validation
+            if not self.training and self.iter == 0 and not self.learn.fit_state.nested:
+                self.results.append(self.learn.validate(loaders.train))
+        def after_epoch(self): self.results.append(self.learn.validate(loaders.train))  # order 0: before the Recorder
+
+    def fit(*cbs):
+        torch.manual_seed(0)
+        learn = quiet(Learner(loaders, nn.Linear(2, 1).double(), F.mse_loss, opt_func=SGD, lr=0.1, cbs=list(cbs),
+                              metrics=[mean_error, AccumMetric(worst_error, flatten=False)]))
+        learn.fit(3)
+        return learn
+
+    plain, watched = fit(), fit(elsewhere := ValidateElsewhere())
+    rows = lambda learn: [row[:-1] for row in learn.recorder.values]  # all but the seconds
+    assert rows(watched) == rows(plain) and len(elsewhere.results) == 6
+    # the callback got the training loader's values: a loss of its own, not the epoch's validation loss
+    assert all(result[0] != row[2] for result, row in zip(elsewhere.results[1::2], rows(plain)))

@@ -203,7 +203,9 @@ def metric_names(self:Recorder):
     return ['epoch', 'train_loss', 'valid_loss'] + [_metric_name(m) for m in self.learn.metrics] + ['time']
 
 @patch
-def before_validate(self:Recorder): self._start_valid(self.learn.metrics)
+def before_validate(self:Recorder):
+    if self.learn.fit_state.nested: self._outer_valid = self._valid_state()  # (a validation inside a validation batch)
+    self._start_valid(self.learn.metrics)
 
 @patch
 def _start_valid(self:Recorder, metrics):
@@ -221,8 +223,20 @@ def after_validate(self:Recorder):
     else: means = [_weighted_mean(list(c), self._valid_sizes) for c in columns]
     averaged = iter(means[1:])
     values = [means[0]] + [self._whole_set_value(m) if accumulates(m) else next(averaged) for m in self.learn.metrics]
-    self.last_valid = self._valid_row = _stack(values).tolist()
-    self._start_valid(())
+    self.last_valid = _stack(values).tolist()
+    if self.learn.fit_state.nested: self._restore_valid(self._outer_valid)  # the epoch's row is the fit's own
+    else: self._valid_row = self.last_valid; self._start_valid(())
+
+@patch
+def _valid_state(self:Recorder):
+    "What a validation has gathered so far, its accumulating metrics' batches included (copied: a reset rebinds them)."
+    lists = self._valid_losses, self._valid_sizes, self._valid_metrics, self._averaged, self._accumulated
+    return lists, [{k: list(v) if isinstance(v, list) else v for k, v in vars(m).items()} for m in self._accumulated]
+
+@patch
+def _restore_valid(self:Recorder, state):
+    (self._valid_losses, self._valid_sizes, self._valid_metrics, self._averaged, self._accumulated), kept = state
+    for m, attrs in zip(self._accumulated, kept): vars(m).update(attrs)
 
 @patch
 def _whole_set_value(self:Recorder, metric):

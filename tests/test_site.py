@@ -7,9 +7,8 @@ holds with the same code, library and installed packages is not run again. The n
 other tests (pytest-xdist), and `make docs` then only renders them.
 
 `test_site` builds the site through `make docs`, the command that publishes it, so `_site/` is never missing or stale,
-then headless Chromium reads `_site/` from a local http.server, with no network. It runs after the notebooks (`make
-test` runs it in its second step; a plain `pytest` orders it last); a notebook not executed yet is executed by the
-build. It is skipped when Chromium, playwright or make is missing.
+then headless Chromium reads `_site/` from a local http.server, with no network. It starts once every notebook test
+has been handed out (tests/conftest.py orders it so); a notebook not executed yet is executed by the build. It is skipped when Chromium, playwright or make is missing.
 
 Checks: the sidebar links reach every notebook page, the appendices under their own heading; the home page links
 every lesson and the developers' page; every course page loads without console errors, failed requests or requests

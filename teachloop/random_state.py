@@ -111,10 +111,10 @@ def _set_cuda_rng_states(saved):
     "Restore the GPUs' generators that both machines have; notes on the others."
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not saved:
-        return [f"the states were read without a GPU, and this machine's {n} GPU generator(s) keep their own"] if n else []
+        return [f"the states were saved without a GPU, and this machine's {n} GPU generator(s) keep their own"] if n else []
     for device, state in enumerate(saved[:n]): torch.cuda.set_rng_state(state, device)
     if len(saved) == n: return []
-    return [f"the states were read with {len(saved)} GPU(s) and this machine has {n}: "
+    return [f"the states were saved with {len(saved)} GPU(s) and this machine has {n}: "
             + (f"GPU(s) {n}..{len(saved) - 1} of the saved states have no device here" if len(saved) > n
                else f"GPU(s) {len(saved)}..{n - 1} keep their own states")]
 

@@ -390,7 +390,7 @@ def test_a_capture_path_spoiled_after_the_callback_was_made_is_refused_before_th
 
 
 def test_a_replay_on_a_machine_with_fewer_gpus_says_so_in_its_report(tmp_path, monkeypatch):
-    "A capture whose states were read with 2 GPUs, replayed with none: the report is not exact and its notes say why."
+    "A capture whose states were saved with 2 GPUs, replayed with none: the report is not exact and its notes say why."
     torch.manual_seed(0)
     learn = quiet(Learner(digits_dls(bs=32), dropout_sqrt_model(), F.cross_entropy,
                           cbs=[NaNCapture(tmp_path / 'nan.pt')]))
@@ -400,11 +400,11 @@ def test_a_replay_on_a_machine_with_fewer_gpus_says_so_in_its_report(tmp_path, m
     torch.save(capture, tmp_path / 'two-gpus.pt')
     monkeypatch.setattr(torch.cuda, 'is_available', lambda: False)
     monkeypatch.setattr(torch.cuda, 'device_count', lambda: 0)
-    with pytest.warns(UserWarning, match='read with 2 GPU'):
+    with pytest.warns(UserWarning, match='saved with 2 GPU'):
         fresh = quiet(Learner(digits_dls(bs=32), dropout_sqrt_model(), F.cross_entropy))
         report = replay_nan(fresh, tmp_path / 'two-gpus.pt')
     assert report.recurred and not report.rng_exact
-    assert any('read with 2 GPU' in note for note in report.notes) and 'read with 2 GPU' in str(report)
+    assert any('saved with 2 GPU' in note for note in report.notes) and 'saved with 2 GPU' in str(report)
 
 
 class NaNInputAt(Callback):

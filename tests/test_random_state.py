@@ -32,8 +32,8 @@ def test_rng_states_with_another_numpy_generator_round_trip_through_a_file(tmp_p
 
 
 @pytest.mark.parametrize('saved,present,restored,note', [
-    (2, 2, [0, 1], None), (2, 1, [0], 'read with 2 GPU'), (1, 2, [0], 'read with 1 GPU'),
-    (0, 1, [], 'read without a GPU'), (1, 0, [], 'read with 1 GPU')])
+    (2, 2, [0, 1], None), (2, 1, [0], 'saved with 2 GPU'), (1, 2, [0], 'saved with 1 GPU'),
+    (0, 1, [], 'saved without a GPU'), (1, 0, [], 'saved with 1 GPU')])
 def test_random_states_from_a_machine_with_another_number_of_gpus(monkeypatch, saved, present, restored, note):
     "What fits is restored, the rest is said in a warning (checked on the CPU with the CUDA calls stood in for)."
     calls = []

@@ -282,3 +282,28 @@ def test_a_validation_of_another_loader_inside_a_fit_leaves_the_fits_own_rows_al
     assert rows(watched) == rows(plain) and len(elsewhere.results) == 6
     # the callback got the training loader's values: a loss of its own, not the epoch's validation loss
     assert all(result[0] != row[2] for result, row in zip(elsewhere.results[1::2], rows(plain)))
+
+
+def test_a_validation_inside_a_fit_leaves_the_phases_progress_bar_counting():
+    "A callback's validation in the middle of a training phase gets no bar of its own; the phase's bar counts on."
+    from teachloop.data import regression_2d
+
+    x, y = regression_2d(n=24)
+    loaders = DataLoaders([(x[i:i + 4], y[i:i + 4]) for i in range(0, 16, 4)], [(x[16:], y[16:])])
+
+    class ValidateAtBatchOne(Callback):
+        def after_batch(self):
+            if self.training and self.iter == 1: self.learn.validate()
+
+    class ReadTheBar(Callback):
+        order = 61  # after the progress callback's after_batch
+        def before_fit(self): self.counts = []
+        def after_batch(self):
+            bar = self.learn.progress.bar
+            if self.training: self.counts.append(None if bar is None else bar.n)
+
+    learn = Learner(loaders, nn.Linear(2, 1), F.mse_loss, opt_func=SGD, lr=0.01,
+                    cbs=[ValidateAtBatchOne(), read := ReadTheBar()])
+    learn.progress.print_rows = False
+    with redirect_stdout(io.StringIO()): learn.fit(2)
+    assert read.counts == [1, 2, 3, 4] * 2  # before: None from the validation on (it closed the phase's bar)

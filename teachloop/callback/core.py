@@ -317,11 +317,14 @@ class ProgressCallback(Callback):
 
     def before_fit(self): self._header_done = False
     def before_train(self): self._open(f"epoch {self.epoch + 1}/{self.n_epoch} train")
-    def before_validate(self): self._open('valid')
+    # A validation that a callback asks for inside the fit (`fit_state.nested`) gets no bar: the phase's bar goes on.
+    def before_validate(self):
+        if not self.learn.fit_state.nested: self._open('valid')
     def after_batch(self):
-        if self.bar is not None: self.bar.update()
+        if self.bar is not None and not self.learn.fit_state.nested: self.bar.update()
     def after_train(self): self._close()
-    def after_validate(self): self._close()
+    def after_validate(self):
+        if not self.learn.fit_state.nested: self._close()
     def cleanup_fit(self): self._close()
 
     def after_epoch(self):
